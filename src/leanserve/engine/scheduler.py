@@ -1,0 +1,172 @@
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from leanserve.engine.sequence import Sequence, SequenceStatus
+from leanserve.engine.slots import CacheSlots
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # position of the first token fed this step (== seq.num_computed_tokens at schedule time)
+    num_tokens: int  # tokens fed this step: a prefill chunk, or 1 for a decode
+    slot: int
+    token_ids: tuple[int, ...]  # seq.all_token_ids[start : start + num_tokens]
+    # True when this step reaches the end of the sequence's known tokens, so the logit row of its last
+    # fed token is sampled. False only for a non-final chunk of a chunked prefill.
+    is_sampled: bool
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    seqs: tuple[ScheduledSeq, ...]
+    num_tokens: int  # sum of seqs[i].num_tokens; <= max_num_batched_tokens
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill over a fixed pool of cache slots (one per sequence).
+
+    One engine step is schedule() -> model execute -> update(). Running sequences are served first,
+    in the order they started running, then waiting ones are admitted FIFO while a slot and token
+    budget remain. There is no preemption: every admitted sequence fits in its slot by construction
+    (add() rejects prompt + max_tokens > max_model_len).
+    """
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}.")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        # One slot per concurrently running sequence; the model sizes its per-slot caches to match.
+        self.slots = CacheSlots(max_num_seqs)
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # in the order they started running
+        self._live: dict[int, Sequence] = {}  # seq_id -> every waiting or running sequence
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def add(self, seq: Sequence) -> None:
+        n, m = seq.num_prompt_tokens, seq.params.max_tokens
+        if n == 0:
+            raise ValueError(f"Request {seq.seq_id} has an empty prompt.")
+        if m < 1:
+            raise ValueError(f"Request {seq.seq_id} has max_tokens ({m}) < 1.")
+        if n + m > self.max_model_len:
+            raise ValueError(
+                f"Request {seq.seq_id}: prompt ({n} tokens) + max_tokens ({m}) exceeds "
+                f"max_model_len ({self.max_model_len})."
+            )
+        if seq.seq_id in self._live:
+            raise ValueError(f"Request id {seq.seq_id} is already waiting or running.")
+        if seq.status is not SequenceStatus.WAITING or seq.slot is not None:
+            raise ValueError(f"Request {seq.seq_id} is not a fresh WAITING sequence (status {seq.status}).")
+        self._waiting.append(seq)
+        self._live[seq.seq_id] = seq
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        seq = self._live.get(seq_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self._finish(seq, "abort")
+        return seq
+
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        # A running sequence mid-prefill is always the last one admitted (it only stops short of its
+        # prompt end when the budget ran out), so decodes are never starved behind a long prefill.
+        for seq in self._running:
+            if budget == 0 or len(out) == self.max_num_seqs:
+                break
+            budget -= self._take(seq, budget, out)
+        while self._waiting and self.slots.num_free > 0 and len(out) < self.max_num_seqs and budget > 0:
+            seq = self._waiting.popleft()
+            seq.slot = self.slots.allocate()
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            budget -= self._take(seq, budget, out)
+        if not out:
+            return None
+        return ScheduledBatch(seqs=tuple(out), num_tokens=self.max_num_batched_tokens - budget)
+
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+        # sampled: seq_id -> token for every ScheduledSeq with is_sampled. Returns sequences finished now.
+        finished: list[Sequence] = []
+        for s in batch.seqs:
+            seq = s.seq
+            if seq.is_finished:  # aborted between schedule() and update(); its slot is already free
+                continue
+            assert seq.num_computed_tokens == s.start, "update() must follow the schedule() of this batch"
+            seq.num_computed_tokens += s.num_tokens
+            if not s.is_sampled:
+                continue
+            # A list per sequence so speculative decoding can later append several accepted tokens.
+            reason = self._append_tokens(seq, [sampled[seq.seq_id]])
+            if reason is not None:
+                self._running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _take(self, seq: Sequence, budget: int, out: list[ScheduledSeq]) -> int:
+        # Schedules min(uncomputed, budget) tokens of a RUNNING seq into out; returns how many.
+        start = seq.num_computed_tokens
+        n = min(seq.num_uncomputed_tokens, budget)
+        if n <= 0:
+            return 0
+        assert seq.slot is not None
+        out.append(
+            ScheduledSeq(
+                seq=seq,
+                start=start,
+                num_tokens=n,
+                slot=seq.slot,
+                token_ids=tuple(seq.token_ids_between(start, start + n)),
+                is_sampled=start + n == seq.num_tokens,
+            )
+        )
+        return n
+
+    @staticmethod
+    def _append_tokens(seq: Sequence, tokens: list[int]) -> str | None:
+        # Appends tokens in order, stopping at the first one that finishes the sequence (later ones are
+        # dropped). Returns the finish reason, or None if the sequence continues.
+        p = seq.params
+        for tok in tokens:
+            seq.output_token_ids.append(tok)
+            if (tok in seq.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                return "stop"
+            if len(seq.output_token_ids) >= p.max_tokens:
+                return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        # Caller has already removed seq from _waiting/_running. The slot is reusable immediately.
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.slot is not None:
+            self.slots.free(seq.slot)
+            seq.slot = None
+        del self._live[seq.seq_id]

@@ -1,0 +1,122 @@
+"""`leanserve make-random`: random-weight DeepSeek-V4 checkpoints that both leanserve and transformers load.
+
+Every parameter and buffer gets non-degenerate values. transformers' own init zeroes the mHC bases,
+attention sinks, router biases, compressor position biases and hash tables, which would hide bugs in
+exactly those paths.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig, RopeConfig
+from leanserve.model.deepseek_v4 import DeepseekV4, build_model
+from leanserve.model.layers import RMSNorm
+from leanserve.model.loader import save_checkpoint
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # As small as possible while keeping every path: all three attention kinds, both MoE kinds, YaRN,
+    # windows and compression rates small enough that short prompts cross several boundaries.
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        head_dim=32,
+        qk_rope_head_dim=16,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        hc_mult=4,
+        sliding_window=16,
+        compress_rate_csa=4,
+        compress_rate_hca=16,
+        index_n_heads=2,
+        index_head_dim=32,
+        index_topk=4,
+        layer_types=(SLIDING, CSA, HCA, CSA),
+        mlp_layer_types=(HASH_MOE, MOE, MOE, MOE),
+        max_position_embeddings=1024,
+        compress_rope=RopeConfig(theta=160000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=256),
+    ),
+    # DeepSeek-V4's real per-head shapes (head_dim 512, 64 rope dims, indexer head 128, compress rates 4 and
+    # 128, 64 experts top-6), with few heads, layers and experts: other engines hard-code those shapes.
+    "small": dict(
+        vocab_size=4096,
+        hidden_size=512,
+        moe_intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        head_dim=512,
+        qk_rope_head_dim=64,
+        q_lora_rank=256,
+        o_groups=2,
+        o_lora_rank=256,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        hc_mult=4,
+        sliding_window=128,
+        compress_rate_csa=4,
+        compress_rate_hca=128,
+        index_n_heads=8,
+        index_head_dim=128,
+        index_topk=64,
+        layer_types=(SLIDING, CSA, HCA, CSA),
+        mlp_layer_types=(HASH_MOE, MOE, MOE, MOE),
+        max_position_embeddings=65536 * 16,
+        compress_rope=RopeConfig(theta=160000.0, rope_type="yarn", factor=16.0, original_max_position_embeddings=65536),
+    ),
+}
+
+
+def preset_config(preset: str, **overrides: Any) -> ModelConfig:
+    """A preset's config; overrides replace fields (layer_types / mlp_layer_types must match the layer count)."""
+    if preset not in PRESETS:
+        raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
+    fields = {**PRESETS[preset], "torch_dtype": "float32", **overrides}
+    return ModelConfig(**fields)
+
+
+@torch.no_grad()
+def randomize_(model: DeepseekV4, seed: int) -> DeepseekV4:
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(t: torch.Tensor, std: float, mean: float = 0.0) -> None:
+        t.copy_(torch.randn(t.shape, generator=gen) * std + mean)
+
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if id(p) in norms:
+            normal(p, 0.1, mean=1.0)
+        elif leaf.endswith("_scale"):  # mHC scales: positive, around 1
+            p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+        elif leaf.endswith("_fn"):
+            normal(p, 1.0 / p.shape[1] ** 0.5)
+        elif leaf.endswith("_base") or leaf in ("attn_sink", "ape"):
+            normal(p, 0.5)
+        elif name.endswith("gate.bias"):
+            normal(p, 0.1)
+        elif leaf == "weight" and name.endswith("embed.weight"):
+            normal(p, 1.0)
+        else:  # projections [out, in] and stacked experts [E, out, in]: unit-variance outputs
+            normal(p, 1.0 / p.shape[-1] ** 0.5)
+    for name, buf in model.named_buffers():
+        if name.endswith("tid2eid"):  # k distinct experts per token id
+            num_experts = model.cfg.n_routed_experts
+            buf.copy_(torch.rand(buf.shape[0], num_experts, generator=gen).argsort(dim=-1)[:, : buf.shape[1]])
+    return model
+
+
+def make_random(out_dir: str | Path, preset: str = "tiny", seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+    cfg = preset_config(preset, **overrides)
+    model = build_model(cfg, max_positions=1, with_mtp=cfg.has_mtp)
+    randomize_(model, seed)
+    save_checkpoint(model, out_dir, dtype=getattr(torch, dtype) if dtype != "float32" else None)
+    return Path(out_dir)

@@ -1,0 +1,101 @@
+"""DeepSeek-V4 attention: shared-KV MQA over a sliding window, plus compressed entries.
+
+  sliding_attention             keys = the last `sliding_window` positions (K = V, one head)
+  compressed_sparse_attention   + the top-k compressed entries (r = 4) the Lightning Indexer picks
+  heavily_compressed_attention  + every compressed entry (r = 128)
+
+Queries come from a low-rank path (wq_a -> q_norm -> wq_b, then a per-head unweighted RMSNorm); partial
+RoPE rotates the trailing rope dims of q and kv, and its inverse is applied to the output (V carries K's
+rotation). Each head has a learned attention sink. The output projection is grouped and low-rank
+(wo_a per group, then wo_b).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from leanserve.config import CSA, SLIDING, ModelConfig
+from leanserve.model.batch import ForwardBatch
+from leanserve.model.cache import LayerCache
+from leanserve.model.compressor import Compressor, Indexer
+from leanserve.model.layers import RMSNorm, apply_rope, fp32_param, rms_norm
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.rope_kind = "main" if layer_type == SLIDING else "compress"
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.o_groups, self.eps = cfg.o_groups, cfg.rms_norm_eps
+        hidden = cfg.hidden_size
+        self.wq_a = nn.Linear(hidden, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(hidden, self.head_dim, bias=False)
+        self.norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        group_in = self.n_heads * self.head_dim // cfg.o_groups
+        self.wo_a = nn.Linear(group_in, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False)
+        self.attn_sink = fp32_param(self.n_heads)
+        self.compressor = None
+        self.indexer = None
+        if layer_type != SLIDING:
+            ratio = cfg.compress_rate(layer_type)
+            self.compressor = Compressor(hidden, self.head_dim, ratio, overlap=layer_type == CSA, eps=self.eps)
+        if layer_type == CSA:
+            self.indexer = Indexer(
+                hidden,
+                cfg.q_lora_rank,
+                cfg.index_n_heads,
+                cfg.index_head_dim,
+                cfg.index_topk,
+                ratio,
+                self.eps,
+            )
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes: dict[str, Rope]) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        rope = ropes[self.rope_kind]
+        q_residual = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
+        q = self.wq_b(q_residual).view(num_tokens, self.n_heads, self.head_dim)
+        q = apply_rope(rms_norm(q, self.eps), *rope)
+        kv = apply_rope(self.norm(self.wkv(x)), *rope)  # [T, D]
+
+        # Keys of each token's sliding window: ring rows for earlier steps, this step's rows otherwise.
+        keys = torch.cat([cache.window_kv.view(-1, self.head_dim), kv])[fb.window.index]  # [T, W, D]
+        valid = fb.window.valid
+        if self.compressor is not None:
+            meta = fb.compress[self.layer_type]
+            self.compressor(x, meta, cache.comp_kv, cache.comp_gate, cache.comp_rows, ropes[self.layer_type])
+            if self.indexer is not None:
+                idx_cache = (cache.idx_kv, cache.idx_gate, cache.idx_rows)
+                rows, rows_valid = self.indexer(
+                    x, q_residual, fb, meta, idx_cache, rope, ropes[self.layer_type]
+                )  # [T, k]
+                comp = cache.comp_rows[fb.token_slots[:, None], rows]  # [T, k, D]
+            else:
+                n = meta.max_visible
+                comp = cache.comp_rows[fb.token_slots, :n]  # [T, n, D]
+                rows_valid = torch.arange(n, device=x.device) < meta.visible[:, None]
+            keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
+            valid = torch.cat([valid, rows_valid], dim=1)
+        write = fb.window.write
+        cache.window_kv.view(-1, self.head_dim).index_copy_(0, write.dst, kv[write.src].to(cache.window_kv.dtype))
+
+        scores = torch.einsum("thd,tkd->thk", q, keys) * self.head_dim**-0.5  # [T, H, K]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        # The sink is one extra logit per head that takes probability mass and contributes no value.
+        sinks = self.attn_sink.to(scores.dtype).view(1, -1, 1).expand(num_tokens, -1, 1)
+        probs = torch.cat([scores, sinks], dim=-1).float().softmax(dim=-1)[..., :-1]
+        out = torch.einsum("thk,tkd->thd", probs.to(keys.dtype), keys)  # [T, H, D]
+        out = apply_rope(out, *rope, inverse=True)
+
+        # Grouped low-rank output projection: each group of heads -> o_lora_rank, then mix to hidden.
+        grouped = out.reshape(num_tokens, self.o_groups, -1)  # [T, G, H*D/G]
+        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, o_lora_rank, H*D/G]
+        projected = torch.einsum("tgi,goi->tgo", grouped, w).flatten(1)
+        return self.wo_b(projected)

@@ -1,0 +1,154 @@
+"""The DeepSeek-V4 model, stage-aware: embedding (first stage), blocks [a, b), hc_head/norm/head and the
+MTP layer (last stage). Parameter names follow DeepSeek's checkpoints (`embed`, `layers.N.attn.wq_a`, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from leanserve.config import CSA, HCA, SLIDING, ModelConfig
+from leanserve.model.attention import Rope
+from leanserve.model.batch import ForwardBatch
+from leanserve.model.block import Block
+from leanserve.model.cache import CacheGeometry, LayerCache, allocate_layer_cache
+from leanserve.model.hyper import hc_head
+from leanserve.model.layers import RMSNorm, Rotary, fp32_param
+from leanserve.model.mtp import MTPBlock
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Which part of the model a process holds."""
+
+    first_layer: int
+    end_layer: int
+    is_first: bool = True
+    is_last: bool = True
+
+    @classmethod
+    def whole(cls, cfg: ModelConfig) -> StageLayout:
+        return cls(0, cfg.num_hidden_layers)
+
+
+class DeepseekV4(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, stage: StageLayout | None = None, with_mtp: bool = False
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.stage = stage = stage or StageLayout.whole(cfg)
+        if stage.is_first:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict(
+            {
+                str(i): Block(cfg, cfg.layer_types[i], cfg.mlp_layer_types[i])
+                for i in range(stage.first_layer, stage.end_layer)
+            }
+        )
+        if stage.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.hc_head_fn = fp32_param(cfg.hc_mult, cfg.hc_dim)
+            self.hc_head_base = fp32_param(cfg.hc_mult)
+            self.hc_head_scale = fp32_param(1)
+            self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleDict({"0": MTPBlock(cfg)}) if with_mtp and stage.is_last else None
+        kinds = {b.layer_type for b in self.layers.values()}
+        rope_dim = cfg.qk_rope_head_dim
+        self.rotary_main = Rotary(cfg.main_rope, rope_dim, max_positions)
+        has_compressed = bool(kinds - {SLIDING})
+        self.rotary_compress = Rotary(cfg.compress_rope, rope_dim, max_positions) if has_compressed else None
+
+    # --- construction helpers -------------------------------------------------------------------------
+    def allocate_cache(self, geo: CacheGeometry, dtype: torch.dtype, device: str = "cpu") -> dict[str, LayerCache]:
+        caches = {k: allocate_layer_cache(self.cfg, b.layer_type, geo, dtype, device) for k, b in self.layers.items()}
+        if self.mtp is not None:
+            caches["mtp.0"] = allocate_layer_cache(self.cfg, self.mtp["0"].layer_type, geo, dtype, device)
+        return caches
+
+    # --- forward --------------------------------------------------------------------------------------
+    def ropes(self, fb: ForwardBatch) -> dict[str, Rope]:
+        ropes = {"main": self.rotary_main.table(fb.positions)}
+        if self.rotary_compress is not None:
+            ropes["compress"] = self.rotary_compress.table(fb.positions)
+            for kind in (CSA, HCA):
+                ropes[kind] = self.rotary_compress.table(fb.compress[kind].row_pos)
+        return ropes
+
+    def forward(
+        self,
+        fb: ForwardBatch,
+        caches: dict[str, LayerCache],
+        streams: torch.Tensor | None = None,
+        target_hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """First stage: embeds fb.input_ids; other stages take the previous stage's `streams`
+        [T, hc_mult, hidden]. Returns the streams (non-last stage) or float32 logits for the rows in
+        fb.logits_index (last stage). `target_hidden`, when given, receives the pre-hc_head streams
+        [T, hc_mult * hidden] (for the MTP drafter)."""
+        ropes = self.ropes(fb)
+        if self.stage.is_first:
+            x = self.embed(fb.input_ids)
+            streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for key, block in self.layers.items():
+            streams = block(streams, fb, caches[key], ropes)
+        if not self.stage.is_last:
+            return streams
+        if target_hidden is not None:
+            target_hidden[: streams.shape[0]].copy_(streams.flatten(1))
+        if fb.logits_index is not None:
+            streams = streams[fb.logits_index]
+        return self.logits(self.head_hidden(streams))
+
+    def head_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        eps, hc_eps = self.cfg.rms_norm_eps, self.cfg.hc_eps
+        return self.norm(hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, eps, hc_eps))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+    def mtp_forward(
+        self,
+        streams: torch.Tensor,  # [T, hc_mult, hidden]: trunk pre-hc_head streams at position t
+        fb: ForwardBatch,  # the t+1 tokens (input ids, positions) and the MTP cache geometry
+        caches: dict[str, LayerCache],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (logits [T', vocab] for fb.logits_index, the MTP block's output streams [T, hc, hidden])."""
+        assert self.mtp is not None, "this model was built without its MTP layer"
+        mtp = self.mtp["0"]
+        hidden, out = mtp(streams, self.embed(fb.input_ids), fb, caches["mtp.0"], self.ropes(fb))
+        if fb.logits_index is not None:
+            hidden = hidden[fb.logits_index]
+        return self.logits(hidden), out
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    cfg: ModelConfig,
+    max_positions: int,
+    dtype: torch.dtype = torch.float32,
+    stage: StageLayout | None = None,
+    with_mtp: bool = False,
+    device: str = "cpu",
+) -> DeepseekV4:
+    """Builds on the meta device (no init cost), then allocates uninitialised storage on `device`; the
+    loader (or a random init) must fill every parameter and persistent buffer."""
+    with torch.device("meta"), _default_dtype(dtype):
+        model = DeepseekV4(cfg, max_positions, stage, with_mtp)
+    model.to_empty(device=device)
+    for m in model.modules():
+        if isinstance(m, Rotary):
+            m.reset_tables()
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,44 @@
+"""The MTP layer: drafts the token after next from the trunk's pre-hc_head streams at position t and the
+embedding of token t+1. Shares `embed` and `head` with the trunk; has its own block (sliding attention,
+top-k MoE), norms, projections and hc_head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from leanserve.config import MOE, SLIDING, ModelConfig
+from leanserve.model.attention import Rope
+from leanserve.model.batch import ForwardBatch
+from leanserve.model.block import Block
+from leanserve.model.cache import LayerCache
+from leanserve.model.hyper import hc_head
+from leanserve.model.layers import RMSNorm, fp32_param
+
+
+class MTPBlock(Block):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, SLIDING, MOE)
+        hidden = cfg.hidden_size
+        self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.e_proj = nn.Linear(hidden, hidden, bias=False)
+        self.h_proj = nn.Linear(hidden, hidden, bias=False)
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.hc_head_fn = fp32_param(cfg.hc_mult, cfg.hc_dim)
+        self.hc_head_base = fp32_param(cfg.hc_mult)
+        self.hc_head_scale = fp32_param(1)
+
+    def forward(
+        self,
+        streams: torch.Tensor,  # [T, hc, hidden]: trunk streams at position t
+        embedded: torch.Tensor,  # [T, hidden]: embedding of token t+1
+        fb: ForwardBatch,  # positions / input ids of the t+1 tokens
+        cache: LayerCache,
+        ropes: dict[str, Rope],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed hidden [T, hidden] for the shared head, output streams [T, hc, hidden])."""
+        x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(embedded)).unsqueeze(1)
+        out = super().forward(x, fb, cache, ropes)
+        collapsed = hc_head(out, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm_eps, self.hc_eps)
+        return self.norm(collapsed), out
