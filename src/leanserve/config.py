@@ -300,3 +300,39 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     dtype = raw.get("dtype", raw.get("torch_dtype", "bfloat16"))
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     return cfg
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ConfigError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}.")
+
+    def resolved_max_model_len(self, cfg: ModelConfig) -> int:
+        if self.max_model_len is None:
+            return min(cfg.max_position_embeddings, 8192)
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
+                f"({cfg.max_position_embeddings})."
+            )
+        return self.max_model_len

@@ -1,0 +1,117 @@
+"""The engine loop: each step is schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from leanserve.config import EngineConfig, ModelConfig
+from leanserve.engine.runner import ModelRunner, SampledToken
+from leanserve.engine.scheduler import Scheduler
+from leanserve.engine.sequence import Sequence
+from leanserve.model.cache import CacheGeometry
+from leanserve.model.deepseek_v4 import build_model
+from leanserve.model.loader import checkpoint_dtype, load_weights
+from leanserve.outputs import RequestMetrics
+from leanserve.sampling_params import SamplingParams
+from leanserve.tokenizer import Tokenizer, generation_eos_ids
+
+logger = logging.getLogger("leanserve")
+
+_INT64 = 2**63
+
+
+@dataclass
+class RequestState:
+    seq: Sequence
+    seed: int
+    metrics: RequestMetrics
+    sampled: list[SampledToken] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        self.model_config = cfg = ModelConfig.from_hf(config.model)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.eos_token_ids = generation_eos_ids(config.model) or cfg.eos_token_ids
+        self.max_model_len = config.resolved_max_model_len(cfg)
+        self.dtype = resolve_dtype(config.dtype, config.model)
+        model = build_model(cfg, self.max_model_len, self.dtype, device=config.device)
+        load_weights(model, config.model, progress=progress)
+        geometry = CacheGeometry.build(cfg, config.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(model, geometry, self.dtype, config.device)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self._rng = random.Random(config.seed)
+        self._requests: dict[int, RequestState] = {}
+        self._next_id = 0
+
+    # --- requests -------------------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming the problem; changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("The prompt is empty; give at least one token.")
+        vocab = self.model_config.vocab_size
+        for t in prompt_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"Prompt token id {t!r} is out of range for a vocabulary of {vocab}.")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"The prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})."
+            )
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        self.check_request(prompt_token_ids, params)
+        seq_id = self._next_id
+        seq = Sequence(seq_id, list(prompt_token_ids), params, eos_token_ids=tuple(self.eos_token_ids))
+        self.scheduler.add(seq)
+        self._next_id += 1
+        # Every request gets a seed, so its samples do not depend on what else is in the batch.
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seed = (seed + _INT64) % (2 * _INT64) - _INT64
+        self._requests[seq_id] = RequestState(seq, seed, RequestMetrics(arrival_time=time.perf_counter()))
+        return seq_id
+
+    def abort(self, seq_id: int) -> None:
+        self.scheduler.abort(seq_id)
+        self._requests.pop(seq_id, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # --- the step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestState]:
+        """One engine step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        seeds = {s.seq.seq_id: self._requests[s.seq.seq_id].seed for s in batch.seqs if s.is_sampled}
+        sampled = self.runner.execute(batch, seeds)
+        now = time.perf_counter()
+        for seq_id, token in sampled.items():
+            state = self._requests[seq_id]
+            state.sampled.append(token)
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+        finished = self.scheduler.update(batch, {k: v.token_id for k, v in sampled.items()})
+        done = []
+        for seq in finished:
+            state = self._requests.pop(seq.seq_id)
+            state.metrics.finished_time = now
+            done.append(state)
+        return done
+
+
+def resolve_dtype(name: str, model_dir: str) -> torch.dtype:
+    if name == "auto":
+        return checkpoint_dtype(model_dir)
+    return getattr(torch, name)

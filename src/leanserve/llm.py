@@ -1,0 +1,124 @@
+"""The offline API, shaped like vLLM's: `LLM(model=DIR).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from leanserve.config import EngineConfig
+from leanserve.engine.llm_engine import LLMEngine, RequestState
+from leanserve.outputs import CompletionOutput, Logprob, RequestOutput
+from leanserve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 2048,
+        device: str = "cpu",
+        load_progress: bool = True,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model),
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            device=device,
+        )
+        self.engine = LLMEngine(config, progress=load_progress)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One result per prompt, in order. Every prompt is checked before any is queued, so a bad one
+        raises ValueError and leaves the engine as it was."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"Got {len(params)} sampling_params for {len(prompts)} prompts; give one or one each.")
+        token_ids = [self._prompt_token_ids(p) for p in prompts]
+        for ids, p in zip(token_ids, params, strict=True):
+            self.engine.check_request(ids, p)
+
+        order = {self.engine.add_request(ids, p): i for i, (ids, p) in enumerate(zip(token_ids, params, strict=True))}
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished:
+                for state in self.engine.step():
+                    i = order[state.seq.seq_id]
+                    results[i] = self._output(state, prompts[i])
+                    bar.update(1)
+        return results  # type: ignore[return-value]
+
+    # --- helpers --------------------------------------------------------------------------------------
+    def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("A dict prompt needs a 'prompt_token_ids' list.")
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple):
+                raise ValueError("'prompt_token_ids' must be a list of integers.")
+            return list(ids)
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"A prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}."
+            )
+        if self.engine.tokenizer is None:
+            raise ValueError(
+                f"{self.engine.config.model} has no tokenizer.json, so text prompts cannot be encoded; "
+                "pass {'prompt_token_ids': [...]} instead."
+            )
+        if not prompt:
+            raise ValueError("The prompt is empty; give at least one token.")
+        return self.engine.tokenizer.encode(prompt)
+
+    def _output(self, state: RequestState, prompt: PromptType) -> RequestOutput:
+        seq, tok = state.seq, self.engine.tokenizer
+        text = tok.decode(seq.output_token_ids) if tok is not None else ""
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = []
+            for token in state.sampled:
+                entry = {
+                    t: Logprob(lp, rank=r, decoded_token=_decode_one(tok, t)) for r, (t, lp) in enumerate(token.top, 1)
+                }
+                if token.token_id not in entry:
+                    entry[token.token_id] = Logprob(token.logprob, decoded_token=_decode_one(tok, token.token_id))
+                logprobs.append(entry)
+        completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, logprobs)
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            outputs=[completion],
+            finished=True,
+            metrics=state.metrics,
+        )
+
+
+def _decode_one(tokenizer, token_id: int) -> str | None:
+    return None if tokenizer is None else tokenizer.decode([token_id], skip_special_tokens=False)
