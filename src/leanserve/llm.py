@@ -66,12 +66,18 @@ class LLM:
 
         order = {self.engine.add_request(ids, p): i for i, (ids, p) in enumerate(zip(token_ids, params, strict=True))}
         results: list[RequestOutput | None] = [None] * len(prompts)
-        with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished:
-                for state in self.engine.step():
-                    i = order[state.seq.seq_id]
-                    results[i] = self._output(state, prompts[i])
-                    bar.update(1)
+        try:
+            with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished:
+                    for state in self.engine.step():
+                        i = order[state.seq.seq_id]
+                        results[i] = self._output(state, prompts[i])
+                        bar.update(1)
+        finally:
+            # An interrupted call (Ctrl-C, an error in a step) must not leave its requests queued.
+            for seq_id, i in order.items():
+                if results[i] is None:
+                    self.engine.abort(seq_id)
         return results  # type: ignore[return-value]
 
     # --- helpers --------------------------------------------------------------------------------------

@@ -1,0 +1,207 @@
+"""The `leanserve` command: make-random and generate, in-process through `main([...])` and once as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from leanserve import LLM, SamplingParams
+from leanserve.cli import main
+from leanserve.make_random import make_random
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return make_random(tmp_path_factory.mktemp("cli_tiny"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt):
+    """ref(prompt_ids, **sampling) -> the CompletionOutput LLM.generate gives for it."""
+    llm = LLM(model=str(ckpt), max_num_seqs=1, load_progress=False)
+    return lambda prompt, **kw: llm.generate({"prompt_token_ids": prompt}, SamplingParams(**kw))[0].outputs[0]
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main(["generate", *args, "--output", "json"]) == 0
+    captured = capsys.readouterr()
+    assert "error" not in captured.err
+    (line,) = captured.out.strip().splitlines()  # exactly one JSON document on stdout
+    return json.loads(line)
+
+
+def error_line(capsys, argv: list[str]) -> str:
+    """Runs main(argv) in-process, expects exit code 2 and returns the single error line from stderr."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err
+    assert "Traceback" not in err
+    # Only the error line may follow a (self-erasing, carriage-return) weight-loading progress bar.
+    lines = [ln for ln in err.split("\n") if ln.strip()]
+    assert len(lines) == 1, err
+    last = lines[0].rsplit("\r", 1)[-1].strip()
+    assert last.startswith("leanserve: error: "), err
+    assert err.count("leanserve: error:") == 1
+    return last
+
+
+# --- make-random ------------------------------------------------------------------------------------------
+def test_make_random_writes_a_checkpoint_and_refuses_to_overwrite(tmp_path, capsys):
+    d = tmp_path / "rand"
+    assert main(["make-random", str(d), "--preset", "tiny"]) == 0
+    assert "tiny" in capsys.readouterr().out
+    config = json.loads((d / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v4" and config["vocab_size"] == VOCAB
+    weights = d / "model.safetensors"
+    assert weights.stat().st_size > 0
+    before = weights.read_bytes()
+
+    msg = error_line(capsys, ["make-random", str(d), "--preset", "tiny", "--seed", "1"])
+    assert "already exists" in msg and "--force" in msg
+    assert weights.read_bytes() == before  # untouched
+
+    assert main(["make-random", str(d), "--preset", "tiny", "--seed", "1", "--force"]) == 0
+    capsys.readouterr()
+    assert weights.read_bytes() != before  # rewritten with the other seed
+    # The result loads and generates.
+    (out,) = LLM(model=str(d), max_model_len=32, max_num_seqs=1, load_progress=False).generate(
+        {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2)
+    )
+    assert len(out.outputs[0].token_ids) >= 1
+
+
+# --- generate ---------------------------------------------------------------------------------------------
+def test_generate_json_matches_llm_greedy(ckpt, ref, capsys):
+    result = run_json(capsys, "--model", str(ckpt), "--prompt-token-ids", "1,2,3", "--max-tokens", "5")
+    expected = ref([1, 2, 3], temperature=0, max_tokens=5)
+    assert result["prompt_token_ids"] == [1, 2, 3]
+    assert result["token_ids"] == expected.token_ids
+    assert result["finish_reason"] == expected.finish_reason
+    if result["finish_reason"] == "length":
+        assert len(result["token_ids"]) == 5
+    else:  # eos (1) before max_tokens
+        assert result["finish_reason"] == "stop" and result["token_ids"][-1] == 1
+    assert result["text"] == ""  # no tokenizer.json
+    timing = result["timing"]
+    assert isinstance(timing["prefill_ms"], int | float) and timing["prefill_ms"] >= 0
+    if len(result["token_ids"]) > 1:
+        assert isinstance(timing["decode_tokens_per_s"], int | float) and timing["decode_tokens_per_s"] > 0
+    assert timing["total_s"] >= 0
+    assert "logprobs" not in result
+
+
+def test_generate_passes_sampling_options(ckpt, ref, capsys):
+    result = run_json(
+        capsys,
+        *("--model", str(ckpt), "--prompt-token-ids", "7, 300,42,9", "--max-tokens", "6"),
+        *("--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "3", "--logprobs", "2", "--ignore-eos"),
+    )
+    expected = ref(
+        [7, 300, 42, 9], temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=6, logprobs=2, ignore_eos=True
+    )
+    assert result["token_ids"] == expected.token_ids and len(result["token_ids"]) == 6
+    assert result["finish_reason"] == "length"
+    assert len(result["logprobs"]) == 6
+    for token, step, exp in zip(result["token_ids"], result["logprobs"], expected.logprobs, strict=True):
+        assert str(token) in step
+        assert step == pytest.approx({str(t): lp.logprob for t, lp in exp.items()}, abs=1e-5)
+    greedy = ref([7, 300, 42, 9], temperature=0, max_tokens=6, ignore_eos=True)
+    assert result["token_ids"] != greedy.token_ids  # the sampling options were applied
+
+
+def test_generate_text_output(ckpt, ref, capsys):
+    argv = ["generate", "--model", str(ckpt), "--prompt-token-ids", "5,6", "--max-tokens", "3", "--ignore-eos"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    expected = ref([5, 6], temperature=0, max_tokens=3, ignore_eos=True).token_ids
+    assert captured.out.strip() == str(expected)  # without a tokenizer the ids are printed
+    summary = captured.err.rsplit("\r", 1)[-1]
+    assert "2 prompt tokens" in summary and "3 generated" in summary and "finish: length" in summary
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+def test_error_missing_model_dir(tmp_path, capsys):
+    msg = error_line(capsys, ["generate", "--model", str(tmp_path / "nowhere"), "--prompt-token-ids", "1"])
+    assert "config.json" in msg
+
+
+def test_error_unknown_model_type(tmp_path, ckpt, capsys):
+    d = tmp_path / "llama"
+    d.mkdir()
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(config))
+    (d / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes())
+    msg = error_line(capsys, ["generate", "--model", str(d), "--prompt-token-ids", "1"])
+    assert "model_type" in msg and "llama" in msg
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--prompt-token-ids", f"1,{VOCAB}"], "out of range"),
+        (["--prompt-token-ids", "1,-4"], "out of range"),
+        (["--prompt-token-ids", "1,2", "--temperature", "-1"], "temperature"),
+        (["--prompt-token-ids", "1,2", "--top-p", "0"], "top_p"),
+        (["--prompt-token-ids", "1,2", "--max-tokens", "0"], "max_tokens"),
+        (["--prompt-token-ids", "1,2", "--max-tokens", "40", "--max-model-len", "32"], "max_model_len"),
+        (["--prompt", "hello"], "tokenizer"),
+    ],
+    ids=["id-too-large", "id-negative", "temperature", "top-p", "max-tokens", "too-long", "text-no-tokenizer"],
+)
+def test_generate_user_errors_exit_2_with_one_line(ckpt, capsys, args, needle):
+    msg = error_line(capsys, ["generate", "--model", str(ckpt), *args])
+    assert needle in msg
+
+
+def test_malformed_arguments_exit_2(ckpt, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", str(ckpt), "--prompt-token-ids", "1,x"])
+    assert exc.value.code == 2
+    assert "leanserve generate: error:" in capsys.readouterr().err
+
+
+# --- as a real process ------------------------------------------------------------------------------------
+def test_console_script_end_to_end(ckpt, ref):
+    script = Path(sys.executable).parent / "leanserve"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "leanserve.cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ok = subprocess.run(
+        [
+            *cmd,
+            "generate",
+            "--model",
+            str(ckpt),
+            "--prompt-token-ids",
+            "1,2,3",
+            "--max-tokens",
+            "4",
+            "--output",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert ok.returncode == 0, ok.stderr
+    result = json.loads(ok.stdout)  # stdout holds only the JSON document; progress goes to stderr
+    assert result["token_ids"] == ref([1, 2, 3], temperature=0, max_tokens=4).token_ids
+    assert result["finish_reason"] in ("length", "stop")
