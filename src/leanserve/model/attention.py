@@ -66,7 +66,14 @@ class Attention(nn.Module):
         kv = apply_rope(self.norm(self.wkv(x)), *rope)  # [T, D]
 
         # Keys of each token's sliding window: ring rows for earlier steps, this step's rows otherwise.
-        keys = torch.cat([cache.window_kv.view(-1, self.head_dim), kv])[fb.window.index]  # [T, W, D]
+        ring = cache.window_kv.view(-1, self.head_dim)
+        write = fb.window.write
+        if fb.window.write_first:
+            ring.index_copy_(0, write.dst, kv[write.src].to(ring.dtype))
+            keys = ring[fb.window.index]  # [T, W, D]
+        else:
+            keys = torch.cat([ring, kv.to(ring.dtype)])[fb.window.index]
+            ring.index_copy_(0, write.dst, kv[write.src].to(ring.dtype))
         valid = fb.window.valid
         if self.compressor is not None:
             meta = fb.compress[self.layer_type]
@@ -83,8 +90,6 @@ class Attention(nn.Module):
                 rows_valid = torch.arange(n, device=x.device) < meta.visible[:, None]
             keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
             valid = torch.cat([valid, rows_valid], dim=1)
-        write = fb.window.write
-        cache.window_kv.view(-1, self.head_dim).index_copy_(0, write.dst, kv[write.src].to(cache.window_kv.dtype))
 
         scores = torch.einsum("thd,tkd->thk", q, keys) * self.head_dim**-0.5  # [T, H, K]
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))

@@ -34,6 +34,9 @@ class WindowMeta:
     index: torch.Tensor  # [T, W] store rows of the keys in each token's sliding window
     valid: torch.Tensor  # [T, W] bool
     write: RingWrite
+    # True when every chunk is short enough that writing it into the ring first overwrites nothing it still
+    # reads (decode, speculative verification): then `index` addresses the ring alone, and no store is built.
+    write_first: bool
 
 
 @dataclass
@@ -48,6 +51,7 @@ class CompressMeta:
     visible: torch.Tensor  # [T]
     max_visible: int
     write: RingWrite
+    write_first: bool  # as in WindowMeta
 
 
 @dataclass
@@ -75,9 +79,9 @@ def build_forward_batch(
     input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
     seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lens)
     positions = starts[seq_of_token] + torch.arange(total) - offsets[seq_of_token]
-    tok = _TokenGeometry(slots, starts, lens, offsets, seq_of_token, positions, total)
+    tok = _TokenGeometry(slots, starts, lens, offsets, seq_of_token, positions, total, int(lens.max()))
 
-    window = WindowMeta(*_window(tok, geo.window, geo.num_slots * geo.window_ring, geo.window_ring))
+    window = _window(tok, geo.window, geo.num_slots * geo.window_ring, geo.window_ring)
     compress = {
         kind: _compress(tok, ratio, ring, rows, geo.num_slots, kind == CSA)
         for kind, (ratio, ring, rows) in geo.compress.items()
@@ -102,13 +106,21 @@ class _TokenGeometry:
     seq: torch.Tensor  # [T] chunk of each token
     positions: torch.Tensor  # [T]
     total: int
+    max_len: int  # longest chunk
 
-    def store_rows(self, seq: torch.Tensor, pos: torch.Tensor, ring: int, ring_rows: int) -> torch.Tensor:
+    def write_first(self, ring: int, span: int) -> bool:
+        # Writing a chunk of n tokens overwrites the ring rows of positions [start + n - ring, start); the
+        # reads reach back `span - 1` positions before the chunk, so they survive when n <= ring - span + 1.
+        return self.max_len <= ring - span + 1
+
+    def store_rows(self, seq: torch.Tensor, pos: torch.Tensor, ring: int, ring_rows: int, span: int) -> torch.Tensor:
         """Store row holding position `pos` of chunk `seq` (either shape): this step's row if the position
-        is in the chunk, else the ring row of the slot."""
+        is in the chunk, else the ring row of the slot. With write_first, always the ring row."""
+        old = self.slots[seq] * ring + pos.clamp(min=0) % ring
+        if self.write_first(ring, span):
+            return old
         start = self.starts[seq]
         new = ring_rows + self.offsets[seq] + (pos - start)
-        old = self.slots[seq] * ring + pos.clamp(min=0) % ring
         return torch.where(pos >= start, new, old)
 
     def ring_write(self, ring: int) -> RingWrite:
@@ -124,8 +136,8 @@ def _window(tok: _TokenGeometry, window: int, ring_rows: int, ring: int):
     # Keys of token t: positions (t - W, t], i.e. W of them, the last being t itself.
     key_pos = tok.positions[:, None] - window + 1 + torch.arange(window)  # [T, W]
     valid = key_pos >= 0
-    index = tok.store_rows(tok.seq[:, None].expand_as(key_pos), key_pos, ring, ring_rows)
-    return torch.where(valid, index, 0), valid, tok.ring_write(ring)
+    index = tok.store_rows(tok.seq[:, None].expand_as(key_pos), key_pos, ring, ring_rows, window)
+    return WindowMeta(torch.where(valid, index, 0), valid, tok.ring_write(ring), tok.write_first(ring, window))
 
 
 def _compress(tok: _TokenGeometry, ratio: int, ring: int, max_rows: int, num_slots: int, overlap: bool):
@@ -140,7 +152,7 @@ def _compress(tok: _TokenGeometry, ratio: int, ring: int, max_rows: int, num_slo
     # CSA: slots [0, r) hold the previous window's tokens, [r, 2r) this window's.
     src_pos = (w - (1 if overlap else 0))[:, None] * ratio + torch.arange(span)  # [NW, span]
     src_valid = src_pos >= 0
-    src = tok.store_rows(win_seq[:, None].expand_as(src_pos), src_pos, ring, num_slots * ring)
+    src = tok.store_rows(win_seq[:, None].expand_as(src_pos), src_pos, ring, num_slots * ring, span)
     visible = (tok.positions + 1) // ratio
     return CompressMeta(
         ratio=ratio,
@@ -151,6 +163,7 @@ def _compress(tok: _TokenGeometry, ratio: int, ring: int, max_rows: int, num_slo
         visible=visible,
         max_visible=int(visible.max()) if tok.total else 0,
         write=tok.ring_write(ring),
+        write_first=tok.write_first(ring, span),
     )
 
 

@@ -40,9 +40,15 @@ class Compressor(nn.Module):
         projections in the rings."""
         kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
         width = kv.shape[-1]
+        kv_flat, gate_flat = kv_ring.view(-1, width), gate_ring.view(-1, width)
+        if meta.write_first:
+            self._store(kv, gate, kv_flat, gate_flat, meta)
         if meta.src.shape[0]:
-            kv_src = torch.cat([kv_ring.view(-1, width), kv])[meta.src]  # [NW, span, width]
-            gate_src = torch.cat([gate_ring.view(-1, width), gate])[meta.src]
+            if meta.write_first:
+                kv_src, gate_src = kv_flat[meta.src], gate_flat[meta.src]  # [NW, span, width]
+            else:
+                kv_src = torch.cat([kv_flat, kv.to(kv_flat.dtype)])[meta.src]
+                gate_src = torch.cat([gate_flat, gate.to(gate_flat.dtype)])[meta.src]
             span = meta.src.shape[1]
             gate_src = gate_src + self.ape.repeat(span // self.ratio, 1)
             if self.overlap:
@@ -55,9 +61,14 @@ class Compressor(nn.Module):
             entries = self.norm((kv_src * weights).sum(dim=1))  # [NW, dim]
             entries = apply_rope(entries, *row_rope)
             rows.view(-1, self.dim).index_copy_(0, meta.row_dst, entries.to(rows.dtype))
+        if not meta.write_first:
+            self._store(kv, gate, kv_flat, gate_flat, meta)
+
+    @staticmethod
+    def _store(kv: torch.Tensor, gate: torch.Tensor, kv_flat: torch.Tensor, gate_flat: torch.Tensor, meta) -> None:
         src, dst = meta.write.src, meta.write.dst
-        kv_ring.view(-1, width).index_copy_(0, dst, kv[src].to(kv_ring.dtype))
-        gate_ring.view(-1, width).index_copy_(0, dst, gate[src].to(gate_ring.dtype))
+        kv_flat.index_copy_(0, dst, kv[src].to(kv_flat.dtype))
+        gate_flat.index_copy_(0, dst, gate[src].to(gate_flat.dtype))
 
 
 class Indexer(nn.Module):

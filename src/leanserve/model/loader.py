@@ -123,7 +123,9 @@ def load_weights(model: DeepseekV4, model_dir: str | Path, progress: bool = True
     files = checkpoint_files(model_dir)
     loaded: set[str] = set()
     total = sum(len(v) for v in files.values())
-    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=None if progress else True, leave=False) as bar:
+    with tqdm(
+        total=total, desc="Loading weights", unit="tensor", disable=None if progress else True, leave=False
+    ) as bar:
         for file, names in files.items():
             with _open(file) as f:
                 for raw_name in names:

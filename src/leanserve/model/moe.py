@@ -59,30 +59,23 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(experts, hidden, inter))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        num_tokens, top_k = experts.shape
+        top_k = experts.shape[1]
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
         token_of = order // top_k
-        counts = torch.bincount(flat, minlength=self.w13.shape[0])
-        ends = torch.cumsum(counts, 0).to(torch.int32)
-        h = grouped_mm(x[token_of], self.w13, ends)  # [N, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        y = grouped_mm(swiglu(gate, up, self.limit), self.w2, ends)  # [N, hidden]
-        y = y * weights.flatten()[order, None].to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, y)
-
-
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Rows [ends[e-1], ends[e]) of x times w[e]^T. x: [N, in], w: [E, out, in] -> [N, out]."""
-    if hasattr(torch, "_grouped_mm"):
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
-    out = x.new_empty(x.shape[0], w.shape[1])
-    start = 0
-    for e, end in enumerate(ends.tolist()):
-        if end > start:
-            out[start:end] = x[start:end] @ w[e].T
-        start = end
-    return out
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        xs = x[token_of]  # [N, hidden], rows of one expert contiguous
+        ys = torch.empty_like(xs)
+        start = 0
+        # One matmul pair per expert that received tokens: each active expert's weights are read once.
+        for e, count in enumerate(counts):
+            if count:
+                end = start + count
+                gate, up = F.linear(xs[start:end], self.w13[e]).chunk(2, dim=-1)
+                torch.mm(swiglu(gate, up, self.limit), self.w2[e].T, out=ys[start:end])
+                start = end
+        ys *= weights.flatten()[order, None].to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, ys)
 
 
 class SharedExpert(nn.Module):
