@@ -132,7 +132,7 @@ class ModelConfig:
             return cls(**_normalise(raw))
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
-        except (TypeError, KeyError) as e:
+        except (TypeError, KeyError, ValueError, AttributeError) as e:
             raise ConfigError(f"{source}: malformed field ({e}).") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -237,12 +237,12 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     """Maps transformers' and DeepSeek's field names onto ModelConfig's keyword arguments."""
     known = {f.name for f in fields(ModelConfig)}
     cfg = {k: v for k, v in raw.items() if k in known}
-    n = int(raw.get("num_hidden_layers", ModelConfig.num_hidden_layers))
-    head_dim = int(raw.get("head_dim", ModelConfig.head_dim))
+    n = _as(int, raw, "num_hidden_layers", ModelConfig.num_hidden_layers)
+    head_dim = _as(int, raw, "head_dim", ModelConfig.head_dim)
 
-    rates = dict(raw.get("compress_rates") or {})
-    csa = int(raw.get("compress_rate_csa", rates.get(CSA, 4)))
-    hca = int(raw.get("compress_rate_hca", rates.get(HCA, 128)))
+    rates = _as(dict, raw, "compress_rates", None) or {}
+    csa = _as(int, raw, "compress_rate_csa", rates.get(CSA, 4))
+    hca = _as(int, raw, "compress_rate_hca", rates.get(HCA, 128))
     cfg["compress_rate_csa"], cfg["compress_rate_hca"] = csa, hca
 
     if raw.get("layer_types") is not None:
@@ -260,10 +260,10 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     if raw.get("mlp_layer_types") is not None:
         cfg["mlp_layer_types"] = tuple(raw["mlp_layer_types"])[:n]
     else:
-        n_hash = int(raw.get("num_hash_layers", 3))
+        n_hash = _as(int, raw, "num_hash_layers", 3)
         cfg["mlp_layer_types"] = tuple([HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash))
 
-    rope_params = raw.get("rope_parameters") or {}
+    rope_params = _as(dict, raw, "rope_parameters", None) or {}
     if isinstance(rope_params.get("main"), dict) and isinstance(rope_params.get("compress"), dict):
         main, compress = rope_params["main"], dict(rope_params["compress"])
         rope_theta = main.get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -272,31 +272,39 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     else:
         rope_theta = raw.get("rope_theta", 10000.0)
         compress_theta = raw.get("compress_rope_theta", 160000.0)
-        compress = dict(rope_params or raw.get("rope_scaling") or {})
+        compress = dict(rope_params or _as(dict, raw, "rope_scaling", None) or {})
         partial = raw.get("partial_rotary_factor")
     if raw.get("qk_rope_head_dim") is not None and partial is None:
-        cfg["qk_rope_head_dim"] = int(raw["qk_rope_head_dim"])
+        cfg["qk_rope_head_dim"] = _as(int, raw, "qk_rope_head_dim")
     else:
-        cfg["qk_rope_head_dim"] = int(head_dim * (partial if partial is not None else 64 / 512))
+        cfg["qk_rope_head_dim"] = int(
+            head_dim * _num(partial if partial is not None else 64 / 512, "partial_rotary_factor")
+        )
     rope_type = compress.get("rope_type", compress.get("type", "default"))
-    cfg["rope_theta"], cfg["compress_rope_theta"] = float(rope_theta), float(compress_theta)
-    cfg["main_rope"] = RopeConfig(theta=float(rope_theta))
+    rope_theta, compress_theta = _num(rope_theta, "rope_theta"), _num(compress_theta, "compress_rope_theta")
+    cfg["rope_theta"], cfg["compress_rope_theta"] = rope_theta, compress_theta
+    cfg["main_rope"] = RopeConfig(theta=rope_theta)
     if rope_type == "yarn":
         cfg["compress_rope"] = RopeConfig(
-            theta=float(compress_theta),
+            theta=compress_theta,
             rope_type="yarn",
-            factor=float(compress["factor"]),
-            original_max_position_embeddings=int(compress["original_max_position_embeddings"]),
-            beta_fast=float(compress.get("beta_fast") or 32.0),
-            beta_slow=float(compress.get("beta_slow") or 1.0),
+            factor=_num(compress.get("factor"), "rope factor"),
+            original_max_position_embeddings=int(
+                _num(compress.get("original_max_position_embeddings"), "original_max_position_embeddings")
+            ),
+            beta_fast=_num(compress.get("beta_fast") or 32.0, "beta_fast"),
+            beta_slow=_num(compress.get("beta_slow") or 1.0, "beta_slow"),
             # DeepSeek-V4 does not scale cos/sin by YaRN's mscale unless a config says so explicitly.
-            attention_factor=float(compress.get("attention_factor", 1.0)),
+            attention_factor=_num(compress.get("attention_factor", 1.0), "attention_factor"),
         )
     else:
-        cfg["compress_rope"] = RopeConfig(theta=float(compress_theta), rope_type=rope_type)
+        cfg["compress_rope"] = RopeConfig(theta=compress_theta, rope_type=rope_type)
 
     eos = raw.get("eos_token_id", 1)
-    cfg["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_list):
+        raise ConfigError(f"eos_token_id must be an integer or a list of integers, got {eos!r}.")
+    cfg["eos_token_ids"] = tuple(eos_list)
     dtype = raw.get("dtype", raw.get("torch_dtype", "bfloat16"))
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     return cfg
@@ -336,3 +344,19 @@ class EngineConfig:
                 f"({cfg.max_position_embeddings})."
             )
         return self.max_model_len
+
+
+def _num(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name} must be a number, got {value!r}.")
+    return float(value)
+
+
+def _as(kind: type, raw: dict[str, Any], key: str, default: Any = ...) -> Any:
+    value = raw[key] if default is ... else raw.get(key, default)
+    if value is None or (kind is int and isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if kind is not int and isinstance(value, kind):
+        return value
+    article = "an integer" if kind is int else "a JSON object"
+    raise ConfigError(f"{key} must be {article}, got {value!r}.")

@@ -65,38 +65,38 @@ class Attention(nn.Module):
         q = apply_rope(rms_norm(q, self.eps), *rope)
         kv = apply_rope(self.norm(self.wkv(x)), *rope)  # [T, D]
 
-        # Keys of each token's sliding window: ring rows for earlier steps, this step's rows otherwise.
+        # Window keys come from the ring (earlier steps) and this step's rows; see model/batch.py.
         ring = cache.window_kv.view(-1, self.head_dim)
-        write = fb.window.write
-        if fb.window.write_first:
+        write = fb.window_write
+        if fb.window_write_first:
             ring.index_copy_(0, write.dst, kv[write.src].to(ring.dtype))
-            keys = ring[fb.window.index]  # [T, W, D]
+            store = ring
         else:
-            keys = torch.cat([ring, kv.to(ring.dtype)])[fb.window.index]
-            ring.index_copy_(0, write.dst, kv[write.src].to(ring.dtype))
-        valid = fb.window.valid
+            store = torch.cat([ring, kv.to(ring.dtype)])
+        index_queries = None
         if self.compressor is not None:
             meta = fb.compress[self.layer_type]
             self.compressor(x, meta, cache.comp_kv, cache.comp_gate, cache.comp_rows, ropes[self.layer_type])
             if self.indexer is not None:
-                idx_cache = (cache.idx_kv, cache.idx_gate, cache.idx_rows)
-                rows, rows_valid = self.indexer(
-                    x, q_residual, fb, meta, idx_cache, rope, ropes[self.layer_type]
-                )  # [T, k]
-                comp = cache.comp_rows[fb.token_slots[:, None], rows]  # [T, k, D]
-            else:
-                n = meta.max_visible
-                comp = cache.comp_rows[fb.token_slots, :n]  # [T, n, D]
-                rows_valid = torch.arange(n, device=x.device) < meta.visible[:, None]
-            keys = torch.cat([keys, comp.to(keys.dtype)], dim=1)
-            valid = torch.cat([valid, rows_valid], dim=1)
+                self.indexer.compressor(x, meta, cache.idx_kv, cache.idx_gate, cache.idx_rows, ropes[self.layer_type])
+                if any(g.max_visible[self.layer_type] > self.indexer.topk for g in fb.groups):
+                    index_queries = self.indexer.queries(x, q_residual, rope)
 
-        scores = torch.einsum("thd,tkd->thk", q, keys) * self.head_dim**-0.5  # [T, H, K]
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        # The sink is one extra logit per head that takes probability mass and contributes no value.
-        sinks = self.attn_sink.to(scores.dtype).view(1, -1, 1).expand(num_tokens, -1, 1)
-        probs = torch.cat([scores, sinks], dim=-1).float().softmax(dim=-1)[..., :-1]
-        out = torch.einsum("thk,tkd->thd", probs.to(keys.dtype), keys)  # [T, H, D]
+        out = torch.empty_like(q)
+        for g in fb.groups:
+            keys, mask = store[g.key_index], g.key_mask  # [NB, Kw, D], [NB, Bq, Kw]
+            n = g.max_visible[self.layer_type] if self.compressor is not None else 0
+            if n:
+                rows = cache.comp_rows[g.block_slot, :n]  # [NB, n, D]
+                row_mask = torch.arange(n, device=x.device) < g.visible[self.layer_type][..., None]  # [NB, Bq, n]
+                if index_queries is not None and n > self.indexer.topk:
+                    row_mask = self.indexer.select(index_queries, g, cache.idx_rows, row_mask)
+                keys = torch.cat([keys, rows.to(keys.dtype)], dim=1)
+                mask = torch.cat([mask, row_mask], dim=-1)
+            attended = self._attend(q[g.q_rows], keys, mask)  # [NB, Bq, H, D]
+            out[g.q_rows[g.q_valid]] = attended[g.q_valid]
+        if not fb.window_write_first:
+            ring.index_copy_(0, write.dst, kv[write.src].to(ring.dtype))
         out = apply_rope(out, *rope, inverse=True)
 
         # Grouped low-rank output projection: each group of heads -> o_lora_rank, then mix to hidden.
@@ -104,3 +104,12 @@ class Attention(nn.Module):
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, o_lora_rank, H*D/G]
         projected = torch.einsum("tgi,goi->tgo", grouped, w).flatten(1)
         return self.wo_b(projected)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [NB, Bq, H, D], keys (= values) [NB, K, D], mask [NB, Bq, K] -> [NB, Bq, H, D]."""
+        scores = torch.einsum("bqhd,bkd->bhqk", q, keys) * self.head_dim**-0.5
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        # The sink is one extra logit per head that takes probability mass and contributes no value.
+        sinks = self.attn_sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sinks], dim=-1).float().softmax(dim=-1)[..., :-1]
+        return torch.einsum("bhqk,bkd->bqhd", probs.to(keys.dtype), keys)

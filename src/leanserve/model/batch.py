@@ -1,9 +1,14 @@
 """Per-step metadata, built once per step (not per layer) from the scheduled chunks.
 
-Tokens of all sequences are laid out flat: [T]. A sequence contributes a contiguous chunk of
-`num_tokens` tokens at positions [start, start + num_tokens). Every gather index below addresses a
-"store": the cache ring of a layer viewed as [num_slots * ring, C], followed by the step's new rows [T, C].
-An index >= num_slots * ring therefore picks a row produced this step.
+Tokens of all sequences are laid out flat: [T]. A sequence contributes a contiguous chunk of `n` tokens
+at positions [start, start + n). Gather indices address a "store": a layer's cache ring viewed as
+[num_slots * ring, C], followed by the step's new rows [T, C] (an index >= num_slots * ring picks a row
+produced this step). When every chunk is short (decode, speculative verification) the step writes its
+rows into the rings first and the indices address the rings alone (`write_first`), so no store is built.
+
+Attention runs over query blocks: a block holds up to `block` consecutive queries of one sequence and
+gathers the keys its queries can see once (block + window - 1 of them), so a long prefill costs about
+twice the keys it reads, not window-times. Short chunks form their own group with one block each.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import torch
 
 from leanserve.config import CSA
 from leanserve.model.cache import CacheGeometry
+
+PREFILL_BLOCK = 64  # queries per attention block for long chunks
 
 
 @dataclass(frozen=True)
@@ -30,13 +37,17 @@ class RingWrite:
 
 
 @dataclass
-class WindowMeta:
-    index: torch.Tensor  # [T, W] store rows of the keys in each token's sliding window
-    valid: torch.Tensor  # [T, W] bool
-    write: RingWrite
-    # True when every chunk is short enough that writing it into the ring first overwrites nothing it still
-    # reads (decode, speculative verification): then `index` addresses the ring alone, and no store is built.
-    write_first: bool
+class AttnGroup:
+    """Blocks of queries [NB, Bq] that share one set of keys each."""
+
+    q_rows: torch.Tensor  # [NB, Bq] flat token row of each query (0 where padded)
+    q_valid: torch.Tensor  # [NB, Bq] bool
+    q_pos: torch.Tensor  # [NB, Bq] position of each query
+    block_slot: torch.Tensor  # [NB] cache slot of the block's sequence
+    key_index: torch.Tensor  # [NB, Kw] store rows of the window keys, Kw = Bq + W - 1
+    key_mask: torch.Tensor  # [NB, Bq, Kw] bool: key in the query's sliding window
+    visible: dict[str, torch.Tensor]  # per compressed kind: [NB, Bq] compressed rows each query may see
+    max_visible: dict[str, int]  # per compressed kind: max over the group
 
 
 @dataclass
@@ -47,20 +58,18 @@ class CompressMeta:
     src_valid: torch.Tensor  # [NW, span] bool (CSA window 0 has no previous window)
     row_dst: torch.Tensor  # [NW] row in comp_rows viewed as [num_slots * max_rows]
     row_pos: torch.Tensor  # [NW] window start position w * r (its RoPE position)
-    # per token: compressed rows it may see are [0, visible)
-    visible: torch.Tensor  # [T]
-    max_visible: int
     write: RingWrite
-    write_first: bool  # as in WindowMeta
+    write_first: bool
 
 
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    token_slots: torch.Tensor  # [T]
     logits_index: torch.Tensor | None  # rows whose logits are wanted; None = all
-    window: WindowMeta
+    groups: list[AttnGroup]
+    window_write: RingWrite
+    window_write_first: bool
     compress: dict[str, CompressMeta]
 
     @property
@@ -79,38 +88,43 @@ def build_forward_batch(
     input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
     seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lens)
     positions = starts[seq_of_token] + torch.arange(total) - offsets[seq_of_token]
-    tok = _TokenGeometry(slots, starts, lens, offsets, seq_of_token, positions, total, int(lens.max()))
+    tok = _Layout(slots, starts, lens, offsets, seq_of_token, positions, int(lens.max()))
 
-    window = _window(tok, geo.window, geo.num_slots * geo.window_ring, geo.window_ring)
-    compress = {
-        kind: _compress(tok, ratio, ring, rows, geo.num_slots, kind == CSA)
-        for kind, (ratio, ring, rows) in geo.compress.items()
-    }
+    ring = geo.window_ring
+    window_ring_rows = geo.num_slots * ring
+    short = 1 + ring - geo.window  # chunks up to this long form one block each
+    groups = []
+    for seqs, block in ((lens <= short, None), (lens > short, PREFILL_BLOCK)):
+        if bool(seqs.any()):
+            groups.append(_group(tok, torch.nonzero(seqs).flatten(), block, geo, window_ring_rows))
     fb = ForwardBatch(
         input_ids=input_ids,
         positions=positions,
-        token_slots=slots[seq_of_token],
         logits_index=None if logits_index is None else torch.tensor(logits_index, dtype=torch.long),
-        window=window,
-        compress=compress,
+        groups=groups,
+        window_write=tok.ring_write(ring),
+        window_write_first=tok.write_first(ring, geo.window),
+        compress={
+            kind: _compress(tok, ratio, ring_b, rows, geo.num_slots, kind == CSA)
+            for kind, (ratio, ring_b, rows) in geo.compress.items()
+        },
     )
     return fb if device == "cpu" else _to(fb, device)
 
 
 @dataclass
-class _TokenGeometry:
+class _Layout:
     slots: torch.Tensor  # [S]
     starts: torch.Tensor  # [S]
     lens: torch.Tensor  # [S]
     offsets: torch.Tensor  # [S]
     seq: torch.Tensor  # [T] chunk of each token
     positions: torch.Tensor  # [T]
-    total: int
     max_len: int  # longest chunk
 
     def write_first(self, ring: int, span: int) -> bool:
-        # Writing a chunk of n tokens overwrites the ring rows of positions [start + n - ring, start); the
-        # reads reach back `span - 1` positions before the chunk, so they survive when n <= ring - span + 1.
+        # Writing a chunk of n tokens overwrites the ring rows of positions [start + n - ring, start); reads
+        # reach back `span - 1` positions before the chunk, so they survive when n <= ring - span + 1.
         return self.max_len <= ring - span + 1
 
     def store_rows(self, seq: torch.Tensor, pos: torch.Tensor, ring: int, ring_rows: int, span: int) -> torch.Tensor:
@@ -120,7 +134,7 @@ class _TokenGeometry:
         if self.write_first(ring, span):
             return old
         start = self.starts[seq]
-        new = ring_rows + self.offsets[seq] + (pos - start)
+        new = ring_rows + self.offsets[seq] + (pos - start).clamp(min=0)
         return torch.where(pos >= start, new, old)
 
     def ring_write(self, ring: int) -> RingWrite:
@@ -132,15 +146,42 @@ class _TokenGeometry:
         return RingWrite(src=src, dst=dst)
 
 
-def _window(tok: _TokenGeometry, window: int, ring_rows: int, ring: int):
-    # Keys of token t: positions (t - W, t], i.e. W of them, the last being t itself.
-    key_pos = tok.positions[:, None] - window + 1 + torch.arange(window)  # [T, W]
-    valid = key_pos >= 0
-    index = tok.store_rows(tok.seq[:, None].expand_as(key_pos), key_pos, ring, ring_rows, window)
-    return WindowMeta(torch.where(valid, index, 0), valid, tok.ring_write(ring), tok.write_first(ring, window))
+def _group(tok: _Layout, seqs: torch.Tensor, block: int | None, geo: CacheGeometry, ring_rows: int) -> AttnGroup:
+    lens = tok.lens[seqs]
+    block = int(lens.max()) if block is None else block
+    num_blocks = (lens + block - 1) // block
+    block_seq = torch.repeat_interleave(seqs, num_blocks)  # chunk index of each block
+    first_block = torch.cumsum(num_blocks, 0) - num_blocks
+    block_in_seq = torch.arange(int(num_blocks.sum())) - torch.repeat_interleave(first_block, num_blocks)
+    first_pos = tok.starts[block_seq] + block_in_seq * block  # [NB]
+    q_pos = first_pos[:, None] + torch.arange(block)  # [NB, Bq]
+    end = (tok.starts + tok.lens)[block_seq][:, None]
+    q_valid = q_pos < end
+    q_rows = torch.where(q_valid, tok.offsets[block_seq][:, None] + q_pos - tok.starts[block_seq][:, None], 0)
+
+    window = geo.window
+    key_pos = first_pos[:, None] - window + 1 + torch.arange(block + window - 1)  # [NB, Kw]
+    key_index = tok.store_rows(block_seq[:, None].expand_as(key_pos), key_pos, geo.window_ring, ring_rows, window)
+    rel = q_pos[:, :, None] - key_pos[:, None, :]  # [NB, Bq, Kw]: query pos - key pos
+    key_mask = (rel >= 0) & (rel < window) & (key_pos >= 0)[:, None, :] & q_valid[:, :, None]
+
+    visible, max_visible = {}, {}
+    for kind, (ratio, _, _) in geo.compress.items():
+        visible[kind] = torch.where(q_valid, (q_pos + 1) // ratio, 0)
+        max_visible[kind] = int(visible[kind].max())
+    return AttnGroup(
+        q_rows=q_rows,
+        q_valid=q_valid,
+        q_pos=q_pos,
+        block_slot=tok.slots[block_seq],
+        key_index=torch.where((key_pos >= 0) & (key_pos < end), key_index, 0),
+        key_mask=key_mask,
+        visible=visible,
+        max_visible=max_visible,
+    )
 
 
-def _compress(tok: _TokenGeometry, ratio: int, ring: int, max_rows: int, num_slots: int, overlap: bool):
+def _compress(tok: _Layout, ratio: int, ring: int, max_rows: int, num_slots: int, overlap: bool) -> CompressMeta:
     ends = tok.starts + tok.lens
     # Windows closing this step: w in [start // r, end // r).
     first, last = tok.starts // ratio, ends // ratio
@@ -153,28 +194,24 @@ def _compress(tok: _TokenGeometry, ratio: int, ring: int, max_rows: int, num_slo
     src_pos = (w - (1 if overlap else 0))[:, None] * ratio + torch.arange(span)  # [NW, span]
     src_valid = src_pos >= 0
     src = tok.store_rows(win_seq[:, None].expand_as(src_pos), src_pos, ring, num_slots * ring, span)
-    visible = (tok.positions + 1) // ratio
     return CompressMeta(
         ratio=ratio,
         src=torch.where(src_valid, src, 0),
         src_valid=src_valid,
         row_dst=tok.slots[win_seq] * max_rows + w,
         row_pos=w * ratio,
-        visible=visible,
-        max_visible=int(visible.max()) if tok.total else 0,
         write=tok.ring_write(ring),
         write_first=tok.write_first(ring, span),
     )
 
 
-def _to(fb: ForwardBatch, device: str) -> ForwardBatch:
-    def move(obj):
-        if isinstance(obj, torch.Tensor):
-            return obj.to(device, non_blocking=True)
-        if hasattr(obj, "__dataclass_fields__"):
-            return type(obj)(**{k: move(v) for k, v in vars(obj).items()})
-        if isinstance(obj, dict):
-            return {k: move(v) for k, v in obj.items()}
-        return obj
-
-    return move(fb)
+def _to(obj, device: str):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, list):
+        return [_to(v, device) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if hasattr(obj, "__dataclass_fields__"):
+        return type(obj)(**{k: _to(v, device) for k, v in vars(obj).items()})
+    return obj

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanserve.model.batch import CompressMeta, ForwardBatch
+from leanserve.model.batch import AttnGroup, CompressMeta
 from leanserve.model.layers import RMSNorm, apply_rope, fp32_param
 
 
@@ -90,32 +90,26 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False)
         self.compressor = Compressor(hidden_size, head_dim, ratio, overlap=True, eps=eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        q_residual: torch.Tensor,  # [T, q_lora_rank]
-        fb: ForwardBatch,
-        meta: CompressMeta,
-        cache_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # idx_kv, idx_gate, idx_rows
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin at the token positions (compress rope)
-        row_rope: tuple[torch.Tensor, torch.Tensor],
+    def queries(
+        self, x: torch.Tensor, q_residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (row indices [T, k], valid [T, k]) of the compressed entries each token attends to."""
-        kv_ring, gate_ring, rows = cache_tensors
-        self.compressor(x, meta, kv_ring, gate_ring, rows, row_rope)
-        n = meta.max_visible
-        visible = meta.visible[:, None]
-        all_rows = torch.arange(n, device=x.device).expand(x.shape[0], n)
-        if n <= self.topk:  # every visible entry is kept: the scores cannot change the selection
-            return all_rows, all_rows < visible
-        q = self.wq_b(q_residual).view(-1, self.n_heads, self.head_dim)
-        q = apply_rope(q, *rope)
-        keys = rows[fb.token_slots, :n]  # [T, n, head_dim]
-        scores = F.relu(torch.einsum("thd,tnd->thn", q.float(), keys.float())) * self.head_dim**-0.5
-        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5  # [T, H]
-        scores = (scores * head_weights[..., None]).sum(dim=1)  # [T, n]
-        scores = scores.masked_fill(all_rows >= visible, float("-inf"))
+        """Per token: RoPE'd indexer queries [T, H, d] and head weights [T, H] (float32)."""
+        q = apply_rope(self.wq_b(q_residual).view(-1, self.n_heads, self.head_dim), *rope)
+        return q.float(), self.weights_proj(x).float() * self.n_heads**-0.5
+
+    def select(
+        self,
+        queries: tuple[torch.Tensor, torch.Tensor],
+        group: AttnGroup,
+        rows: torch.Tensor,  # idx_rows [slots, max_rows, d]
+        visible: torch.Tensor,  # [NB, Bq, n] bool: rows each query may see
+    ) -> torch.Tensor:
+        """[NB, Bq, n] bool: the `topk` visible rows with the highest index scores, per query."""
+        q, head_weights = queries[0][group.q_rows], queries[1][group.q_rows]  # [NB, Bq, H, d], [NB, Bq, H]
+        keys = rows[group.block_slot, : visible.shape[-1]].float()  # [NB, n, d]
+        scores = F.relu(torch.einsum("bqhd,bnd->bqhn", q, keys)) * self.head_dim**-0.5
+        scores = torch.einsum("bqhn,bqh->bqn", scores, head_weights).masked_fill(~visible, float("-inf"))
         # ReLU scores tie exactly (often at 0); a stable sort breaks ties by row index, so the choice does not
         # depend on how many rows the step pads to (torch.topk's tie order does).
-        picked = scores.sort(dim=-1, descending=True, stable=True).indices[:, : self.topk]
-        return picked, picked < visible
+        picked = scores.sort(dim=-1, descending=True, stable=True).indices[..., : self.topk]
+        return torch.zeros_like(visible).scatter_(-1, picked, True) & visible

@@ -19,7 +19,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from leanserve.config import ModelConfig
 from leanserve.model.deepseek_v4 import DeepseekV4
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -107,15 +106,21 @@ def _targets(model: DeepseekV4) -> dict[str, _Target]:
     return targets
 
 
-def _owned_elsewhere(name: str, cfg: ModelConfig) -> bool:
-    """True for a name that belongs to the architecture (another stage's, or the unbuilt MTP layer's)."""
-    if name in ("embed.weight", "norm.weight", "head.weight") or name.startswith("hc_head_"):
+_TOP_LEVEL = ("embed.weight", "norm.weight", "head.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")
+
+
+def _owned_elsewhere(name: str, model: DeepseekV4) -> bool:
+    """True for a tensor of the architecture that this model does not hold: another stage's layer or
+    embedding/head, or the MTP layer when it is not built. Called only for names the model lacks."""
+    if name in _TOP_LEVEL:
         return True
     match = re.match(r"^(layers|mtp)\.(\d+)\.", name)
     if not match:
         return False
-    limit = cfg.num_hidden_layers if match.group(1) == "layers" else max(cfg.num_nextn_predict_layers, 1)
-    return int(match.group(2)) < limit
+    index, cfg, stage = int(match.group(2)), model.cfg, model.stage
+    if match.group(1) == "layers":
+        return index < cfg.num_hidden_layers and not stage.first_layer <= index < stage.end_layer
+    return model.mtp is None and index < max(cfg.num_nextn_predict_layers, 1)
 
 
 def load_weights(model: DeepseekV4, model_dir: str | Path, progress: bool = True) -> None:
@@ -133,7 +138,7 @@ def load_weights(model: DeepseekV4, model_dir: str | Path, progress: bool = True
                     name = canonical_name(raw_name)
                     target = targets.get(name)
                     if target is None:
-                        if _owned_elsewhere(name, model.cfg):
+                        if _owned_elsewhere(name, model):
                             continue
                         raise CheckpointError(f"Unexpected tensor {raw_name!r} in {file}: it is not part of the model.")
                     if name in loaded:
