@@ -9,10 +9,13 @@ hc_head: collapses the streams with its own sigmoid weights before the final nor
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from leanserve.model.layers import rms_norm
+
+_NUMPY_MAX = 64 * 16  # elements: up to 64 tokens at hc_mult 4
 
 
 def hc_pre(
@@ -32,13 +35,28 @@ def hc_pre(
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
     comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * scale[2] + comb_b.view(hc, hc), dim=-1) + hc_eps
-    # Sinkhorn-Knopp: project comb towards a doubly-stochastic matrix (columns first, then rows/columns).
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    comb = sinkhorn(comb, hc_eps, sinkhorn_iters)
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
     return collapsed, post, comb
+
+
+def sinkhorn(comb: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
+    """Sinkhorn-Knopp: project positive [T, hc, hc] matrices towards doubly-stochastic ones (columns first,
+    then rows and columns, `iters` times in all)."""
+    if comb.device.type == "cpu" and not comb.requires_grad and comb.numel() <= _NUMPY_MAX:
+        # ~60 tiny ops per call: on CPU numpy's per-op cost is a fraction of torch's, and the math is the same.
+        c = comb.numpy()  # a view: normalised in place
+        eps32 = np.float32(eps)
+        c /= c.sum(axis=-2, keepdims=True) + eps32
+        for _ in range(iters - 1):
+            c /= c.sum(axis=-1, keepdims=True) + eps32
+            c /= c.sum(axis=-2, keepdims=True) + eps32
+        return comb
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
 
 
 def hc_post(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from leanserve.config import RopeConfig
@@ -23,14 +24,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf).to(x.dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    # Unweighted RMSNorm; the statistic in float32, the product in x's dtype.
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    # Unweighted RMSNorm over the last dim; the statistic is computed in float32.
+    return F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
@@ -80,21 +79,22 @@ class Rotary(nn.Module):
         self.sin.copy_(sin)
 
     def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # [..., rope_dim] each, channel pairs share one angle.
+        """(cos, signed sin), [..., rope_dim] each: a channel pair (2i, 2i+1) shares one angle, and the sin
+        carries the rotation's sign (-sin on even channels), so RoPE is x * cos + swap_pairs(x) * sin."""
         cos = self.cos[positions].repeat_interleave(2, dim=-1)
-        sin = self.sin[positions].repeat_interleave(2, dim=-1)
-        return cos, sin
+        sin = self.sin[positions]
+        return cos, torch.stack((-sin, sin), dim=-1).flatten(-2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """x: [N, ..., D]; cos/sin: [N, rope_dim] broadcast over the middle dims. `inverse` rotates by -angle."""
+    """x: [N, ..., D]; cos/sin from Rotary.table, [N, rope_dim], broadcast over the middle dims. Rotates the
+    trailing rope_dim channels in interleaved pairs; `inverse` rotates by the opposite angle."""
     rope_dim = cos.shape[-1]
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim,)
     cos, sin = cos.view(shape), sin.view(shape)
-    if inverse:
-        sin = -sin
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    pairs = rope.unflatten(-1, (-1, 2))
-    rotated_half = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    rope = (rope.float() * cos + rotated_half.float() * sin).to(x.dtype)
+    swapped = rope.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
+    if x.dtype != torch.float32:
+        rope, swapped = rope.float(), swapped.float()
+    rope = torch.addcmul(rope * cos, swapped, sin, value=-1.0 if inverse else 1.0).to(x.dtype)
     return torch.cat([nope, rope], dim=-1)
