@@ -1,4 +1,4 @@
-"""The `leanserve` command: generate | make-random."""
+"""The `leanserve` command: generate | make-random | bench."""
 
 from __future__ import annotations
 
@@ -40,6 +40,34 @@ def _add_make_random(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--force", action="store_true", help="overwrite an existing checkpoint in DIR")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks that compare side by side in one run")
+    kinds = p.add_subparsers(dest="bench", required=True)
+    t = kinds.add_parser("throughput", help="offline tokens/s: leanserve vs transformers' generate")
+    t.add_argument("--model", required=True)
+    t.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32])
+    t.add_argument("--prompt-len", type=int, default=64)
+    t.add_argument("--max-tokens", type=int, default=32)
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    t.add_argument("--output", default="table", choices=["table", "json"])
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from leanserve.bench import print_rows, throughput
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if min(args.batch_sizes, default=0) < 1 or args.max_tokens < 1 or args.prompt_len < 1 or args.repeats < 1:
+        raise ValueError("batch sizes, --prompt-len, --max-tokens and --repeats must be positive.")
+    rows = throughput(args.model, args.batch_sizes, args.prompt_len, args.max_tokens, args.dtype, args.repeats)
+    print_rows(rows, args.output)
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -102,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_make_random(sub)
+    _add_bench(sub)
     args = parser.parse_args(argv)
-    handlers = {"generate": _generate, "make-random": _make_random}
+    handlers = {"generate": _generate, "make-random": _make_random, "bench": _bench}
     try:
         return handlers[args.command](args)
     except ValueError as e:  # user errors: config, checkpoint, prompt, sampling parameters
