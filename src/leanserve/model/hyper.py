@@ -9,13 +9,11 @@ hc_head: collapses the streams with its own sigmoid weights before the final nor
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from leanserve.model import cpu_kernels
 from leanserve.model.layers import rms_norm
-
-_NUMPY_MAX = 64 * 16  # elements: up to 64 tokens at hc_mult 4
 
 
 def hc_pre(
@@ -28,35 +26,43 @@ def hc_pre(
     sinkhorn_iters: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (block input [T, D], post [T, hc], comb [T, hc, hc]); post and comb in float32."""
-    hc = streams.shape[1]
     mixes = F.linear(rms_norm(streams.flatten(1).float(), norm_eps), fn.float())  # [T, (2+hc)*hc]
+    pre, post, comb = mhc_weights(mixes, scale, base, streams.shape[1], hc_eps, sinkhorn_iters)
+    collapsed = torch.bmm(pre.unsqueeze(1).to(streams.dtype), streams).squeeze(1)  # sum_i pre_i * x_i
+    return collapsed, post, comb
+
+
+def mhc_weights(
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, hc_eps: float, sinkhorn_iters: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pre = sigmoid + eps, post = 2 * sigmoid, comb = Sinkhorn(softmax + eps): [T, hc], [T, hc], [T, hc, hc]."""
+    if cpu_kernels.mhc_weights is not None and mixes.device.type == "cpu" and not mixes.requires_grad:
+        # One compiled call instead of ~130 tiny torch ops (the Sinkhorn loop dominates a decode step).
+        num_tokens = mixes.shape[0]
+        pre, post = mixes.new_empty(num_tokens, hc), mixes.new_empty(num_tokens, hc)
+        comb = mixes.new_empty(num_tokens, hc, hc)
+        cpu_kernels.mhc_weights(
+            mixes.contiguous().numpy(), scale.float().numpy(), base.float().numpy(),
+            hc, hc_eps, sinkhorn_iters, pre.numpy(), post.numpy(), comb.numpy(),
+        )  # fmt: skip
+        return pre, post, comb
+    return mhc_weights_torch(mixes, scale, base, hc, hc_eps, sinkhorn_iters)
+
+
+def mhc_weights_torch(
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, hc_eps: float, sinkhorn_iters: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
     comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * scale[2] + comb_b.view(hc, hc), dim=-1) + hc_eps
-    comb = sinkhorn(comb, hc_eps, sinkhorn_iters)
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return collapsed, post, comb
-
-
-def sinkhorn(comb: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
-    """Sinkhorn-Knopp: project positive [T, hc, hc] matrices towards doubly-stochastic ones (columns first,
-    then rows and columns, `iters` times in all)."""
-    if comb.device.type == "cpu" and not comb.requires_grad and comb.numel() <= _NUMPY_MAX:
-        # ~60 tiny ops per call: on CPU numpy's per-op cost is a fraction of torch's, and the math is the same.
-        c = comb.numpy()  # a view: normalised in place
-        eps32 = np.float32(eps)
-        c /= c.sum(axis=-2, keepdims=True) + eps32
-        for _ in range(iters - 1):
-            c /= c.sum(axis=-1, keepdims=True) + eps32
-            c /= c.sum(axis=-2, keepdims=True) + eps32
-        return comb
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
+    # Sinkhorn-Knopp: columns first, then rows and columns, `sinkhorn_iters` times in all.
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
 
 
 def hc_post(
