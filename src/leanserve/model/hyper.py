@@ -38,14 +38,10 @@ def mhc_weights(
     """pre = sigmoid + eps, post = 2 * sigmoid, comb = Sinkhorn(softmax + eps): [T, hc], [T, hc], [T, hc, hc]."""
     if cpu_kernels.mhc_weights is not None and mixes.device.type == "cpu" and not mixes.requires_grad:
         # One compiled call instead of ~130 tiny torch ops (the Sinkhorn loop dominates a decode step).
-        num_tokens = mixes.shape[0]
-        pre, post = mixes.new_empty(num_tokens, hc), mixes.new_empty(num_tokens, hc)
-        comb = mixes.new_empty(num_tokens, hc, hc)
-        cpu_kernels.mhc_weights(
-            mixes.contiguous().numpy(), scale.float().numpy(), base.float().numpy(),
-            hc, hc_eps, sinkhorn_iters, pre.numpy(), post.numpy(), comb.numpy(),
-        )  # fmt: skip
-        return pre, post, comb
+        out = mixes.new_empty(mixes.shape[0], (2 + hc) * hc)  # pre | post | comb
+        params = scale.detach().numpy(), base.detach().numpy()
+        cpu_kernels.mhc_weights(mixes.detach().numpy(), *params, hc, hc_eps, sinkhorn_iters, out.numpy())
+        return out[:, :hc], out[:, hc : 2 * hc], out[:, 2 * hc :].unflatten(-1, (hc, hc))
     return mhc_weights_torch(mixes, scale, base, hc, hc_eps, sinkhorn_iters)
 
 
