@@ -205,3 +205,16 @@ def test_console_script_end_to_end(ckpt, ref):
     result = json.loads(ok.stdout)  # stdout holds only the JSON document; progress goes to stderr
     assert result["token_ids"] == ref([1, 2, 3], temperature=0, max_tokens=4).token_ids
     assert result["finish_reason"] in ("length", "stop")
+
+
+def test_bench_throughput_compares_both_engines(tmp_path, capsys):
+    model = make_random(tmp_path / "m", "tiny", seed=3)
+    args = ["bench", "throughput", "--model", str(model), "--batch-sizes", "1,2", "--max-tokens", "4"]
+    assert main([*args, "--prompt-len", "20", "--repeats", "1", "--output", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["leanserve_tok_s"] > 0 and r["transformers_tok_s"] > 0
+        assert r["speedup"] == pytest.approx(r["leanserve_tok_s"] / r["transformers_tok_s"], rel=0.02)
+        # the same greedy work: both engines produce the same tokens
+        assert r["identical_sequences"] == r["batch_size"]
