@@ -1,0 +1,235 @@
+"""The training tooling (leanserve.train): bad input is refused before any training, a tiny run writes a model
+directory leanserve loads and generates from, and a run is a pure function of its seed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from leanserve import LLM, SamplingParams
+from leanserve.config import ConfigError
+from leanserve.train import data
+from leanserve.train.trainer import (
+    TrainConfig,
+    check_parity,
+    evaluate,
+    model_config,
+    new_model,
+    train,
+    train_main,
+)
+
+# Every path (sliding / CSA / HCA, hash and top-k MoE, an indexer that selects 4 of up to 16 rows), tiny.
+TINY_MODEL = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    head_dim=32,
+    qk_rope_head_dim=16,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    hc_mult=2,
+    sliding_window=16,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=4,
+)
+TINY_CLI = [
+    "--threads", "1", "--batch-size", "2", "--seq-len", "64", "--vocab-size", "320",
+    "--hidden", "64", "--layers", "3", "--heads", "2", "--head-dim", "32", "--experts", "4", "--moe-inter", "32",
+    "--hc-mult", "2", "--model-json",
+    '{"qk_rope_head_dim": 16, "q_lora_rank": 32, "o_lora_rank": 32, "sliding_window": 16, '
+    '"index_n_heads": 2, "index_head_dim": 16, "index_topk": 4}',
+]  # fmt: skip
+
+SOURCE = '''
+def {name}(items, key=None):
+    """Return the items sorted by key, dropping None values."""
+    result = []
+    for item in items:
+        if item is None:
+            continue
+        result.append(item if key is None else key(item))
+    return sorted(result)
+
+
+class {cls}:
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self):
+        return f"{cls}({{self.value!r}})"
+'''
+
+
+def write_corpus(root: Path, n_files: int = 6) -> Path:
+    """A few small modules, at least one of them in the held-out split, plus files that must be ignored."""
+    root.mkdir(parents=True, exist_ok=True)
+    names = [f"mod_{i}.py" for i in range(n_files)]
+    heldout = next(f"extra_{i}.py" for i in range(10_000) if data.is_heldout(f"extra_{i}.py"))
+    for i, name in enumerate([*names, heldout]):
+        (root / name).write_text(SOURCE.format(name=f"func_{i}", cls=f"Thing{i}") * 3)
+    for ignored in ("test", "tests", "site-packages"):
+        (root / ignored).mkdir()
+        (root / ignored / "ignored.py").write_text("IGNORED = True\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def tiny_config(out: Path, corpus: Path, **kw) -> TrainConfig:
+    args = dict(
+        out=str(out),
+        corpus=str(corpus),
+        steps=3,
+        batch_size=2,
+        seq_len=64,
+        lr=1e-2,
+        warmup_steps=0,
+        threads=1,
+        vocab_size=320,
+        eval_tokens=0,
+        progress=False,
+        model=dict(TINY_MODEL),
+    )
+    return TrainConfig(**{**args, **kw})
+
+
+def losses_of(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus_dir) -> Path:
+    out = tmp_path_factory.mktemp("model")
+    train(tiny_config(out, corpus_dir), log=lambda m: None)
+    return out
+
+
+# --- refused before training --------------------------------------------------------------------------------
+def run_cli(args: list[str], capsys) -> tuple[int, str]:
+    rc = train_main(args)
+    return rc, capsys.readouterr().err
+
+
+def test_missing_corpus_is_refused(tmp_path, capsys):
+    rc, err = run_cli(["--out", str(tmp_path / "out"), "--corpus", str(tmp_path / "nowhere"), "--steps", "3"], capsys)
+    assert rc == 2
+    assert "does not exist" in err and "nowhere" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_corpus_is_refused(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, err = run_cli(["--out", str(tmp_path / "out"), "--corpus", str(empty), "--steps", "3"], capsys)
+    assert rc == 2 and "no .py files" in err
+    # only test / site-packages files, or only empty files: nothing to train on either
+    (empty / "tests").mkdir()
+    (empty / "tests" / "test_x.py").write_text("x = 1\n")
+    rc, err = run_cli(["--out", str(tmp_path / "out"), "--corpus", str(empty), "--steps", "3"], capsys)
+    assert rc == 2 and "no .py files" in err
+    (empty / "blank.py").write_text("\n\n")
+    rc, err = run_cli(["--out", str(tmp_path / "out"), "--corpus", str(empty), "--steps", "3"], capsys)
+    assert rc == 2 and "no usable training files" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_model_config_is_refused(tmp_path, corpus_dir, capsys):
+    out = tmp_path / "out"
+    args = ["--out", str(out), "--corpus", str(corpus_dir), "--steps", "3", *TINY_CLI]
+    rc, err = run_cli([*args, "--heads", "3"], capsys)
+    assert rc == 2 and "num_attention_heads (3) must be divisible by o_groups (2)" in err
+    rc, err = run_cli([*args, "--layers", "2"], capsys)
+    assert rc == 2 and "every attention kind" in err
+    rc, err = run_cli([*args, "--model-json", '{"no_such_field": 1}'], capsys)
+    assert rc == 2 and "no_such_field" in err
+    rc, err = run_cli([*args, "--batch-size", "0"], capsys)
+    assert rc == 2 and "batch_size" in err
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="o_groups"):
+        model_config(num_attention_heads=4, o_groups=3)
+
+
+def test_corpus_too_small_for_one_sequence_is_refused(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "a.py").write_text("x = 1\n")
+    with pytest.raises(data.CorpusError, match="fewer than one training sequence"):
+        train(tiny_config(tmp_path / "out", small), log=lambda m: None)
+
+
+# --- data ----------------------------------------------------------------------------------------------------
+def test_corpus_split_and_tokenizer(corpus_dir):
+    corpus = data.load_corpus(corpus_dir)
+    assert all("ignored" not in d.relpath for d in corpus.train + corpus.heldout)
+    assert [d.relpath for d in corpus.heldout] == [d.relpath for d in corpus.heldout if data.is_heldout(d.relpath)]
+    assert len(corpus.heldout) >= 1 and len(corpus.train) >= 6
+    assert data.is_heldout("email/parser.py") == data.is_heldout("email/parser.py")
+    tok = data.train_tokenizer([d.text for d in corpus.train], 320)
+    assert [tok.token_to_id(t) for t in ("<bos>", "<eos>", "<pad>")] == [0, 1, 2]
+    stream = data.encode_documents(tok, corpus.train[:2])
+    assert stream[0] == data.BOS_ID and stream[-1] == data.EOS_ID
+    assert int((stream == data.BOS_ID).sum()) == 2
+    text = corpus.train[0].text
+    assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text  # byte-level: lossless
+    assert tok.encode("x").ids[0] == data.BOS_ID  # prompts get <bos>, like the training documents
+
+
+def test_training_forward_matches_inference_forward():
+    cfg = model_config(vocab_size=320, **TINY_MODEL)
+    model = new_model(cfg, seq_len=96, seed=0)
+    ids = torch.randint(0, 320, (2, 98), generator=torch.Generator().manual_seed(0))
+    assert check_parity(model, ids) < 1e-4
+
+
+# --- a tiny run --------------------------------------------------------------------------------------------------
+def test_tiny_run_writes_a_model_leanserve_loads(trained, corpus_dir):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "train_log.jsonl"):
+        assert (trained / name).is_file(), name
+    assert json.loads((trained / "generation_config.json").read_text()) == {
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+    }
+    config = json.loads((trained / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and config["dtype"] == "bfloat16"
+    with safe_open(str(trained / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    assert any(n.startswith("mtp.0.") for n in names)
+    records = [json.loads(line) for line in (trained / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert set(records[0]) >= {"step", "tokens", "loss", "mtp_loss", "lr", "elapsed"}
+    assert records[-1]["loss"] < records[0]["loss"]
+
+    llm = LLM(model=str(trained), max_model_len=128, load_progress=False)
+    out = llm.generate("def func_1(items", SamplingParams(temperature=0, max_tokens=8))[0]
+    assert out.prompt_token_ids[0] == data.BOS_ID
+    assert 1 <= len(out.outputs[0].token_ids) <= 8 and isinstance(out.outputs[0].text, str)
+
+    figures = evaluate(trained, corpus_dir, seq_len=32, dtype="float32")
+    for key in ("trunk_top1", "mtp_agreement", "mtp_top1"):
+        assert 0.0 <= figures[key] <= 1.0
+    assert figures["tokens"] > 0 and figures["heldout_files"] == 1
+
+
+def test_same_seed_same_losses(trained, tmp_path, corpus_dir):
+    again = tmp_path / "again"
+    train(tiny_config(again, corpus_dir), log=lambda m: None)
+    assert losses_of(again) == losses_of(trained)
+    assert (again / "model.safetensors").read_bytes() == (trained / "model.safetensors").read_bytes()
+    other = tmp_path / "other"
+    train(tiny_config(other, corpus_dir, seed=1), log=lambda m: None)
+    assert losses_of(other) != losses_of(trained)
