@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from leanserve.config import CSA
@@ -80,14 +81,15 @@ class ForwardBatch:
 def build_forward_batch(
     chunks: list[Chunk], geo: CacheGeometry, logits_index: list[int] | None = None, device: str = "cpu"
 ) -> ForwardBatch:
-    lens = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.long)
-    starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
-    slots = torch.tensor([c.slot for c in chunks], dtype=torch.long)
-    offsets = torch.cumsum(lens, 0) - lens  # flat index of each chunk's first token
+    # Index math in numpy (a fraction of torch's per-op cost on these small arrays), tensors at the end.
+    lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+    starts = np.array([c.start for c in chunks], dtype=np.int64)
+    slots = np.array([c.slot for c in chunks], dtype=np.int64)
+    offsets = np.cumsum(lens) - lens  # flat index of each chunk's first token
     total = int(lens.sum())
     input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lens)
-    positions = starts[seq_of_token] + torch.arange(total) - offsets[seq_of_token]
+    seq_of_token = np.repeat(np.arange(len(chunks)), lens)
+    positions = starts[seq_of_token] + np.arange(total) - offsets[seq_of_token]
     tok = _Layout(slots, starts, lens, offsets, seq_of_token, positions, int(lens.max()))
 
     ring = geo.window_ring
@@ -96,10 +98,10 @@ def build_forward_batch(
     groups = []
     for seqs, block in ((lens <= short, None), (lens > short, PREFILL_BLOCK)):
         if bool(seqs.any()):
-            groups.append(_group(tok, torch.nonzero(seqs).flatten(), block, geo, window_ring_rows))
+            groups.append(_group(tok, np.flatnonzero(seqs), block, geo, window_ring_rows))
     fb = ForwardBatch(
         input_ids=input_ids,
-        positions=positions,
+        positions=_t(positions),
         logits_index=None if logits_index is None else torch.tensor(logits_index, dtype=torch.long),
         groups=groups,
         window_write=tok.ring_write(ring),
@@ -114,12 +116,12 @@ def build_forward_batch(
 
 @dataclass
 class _Layout:
-    slots: torch.Tensor  # [S]
-    starts: torch.Tensor  # [S]
-    lens: torch.Tensor  # [S]
-    offsets: torch.Tensor  # [S]
-    seq: torch.Tensor  # [T] chunk of each token
-    positions: torch.Tensor  # [T]
+    slots: np.ndarray  # [S]
+    starts: np.ndarray  # [S]
+    lens: np.ndarray  # [S]
+    offsets: np.ndarray  # [S]
+    seq: np.ndarray  # [T] chunk of each token
+    positions: np.ndarray  # [T]
     max_len: int  # longest chunk
 
     def write_first(self, ring: int, span: int) -> bool:
@@ -127,55 +129,55 @@ class _Layout:
         # reach back `span - 1` positions before the chunk, so they survive when n <= ring - span + 1.
         return self.max_len <= ring - span + 1
 
-    def store_rows(self, seq: torch.Tensor, pos: torch.Tensor, ring: int, ring_rows: int, span: int) -> torch.Tensor:
+    def store_rows(self, seq: np.ndarray, pos: np.ndarray, ring: int, ring_rows: int, span: int) -> np.ndarray:
         """Store row holding position `pos` of chunk `seq` (either shape): this step's row if the position
         is in the chunk, else the ring row of the slot. With write_first, always the ring row."""
-        old = self.slots[seq] * ring + pos.clamp(min=0) % ring
+        old = self.slots[seq] * ring + np.maximum(pos, 0) % ring
         if self.write_first(ring, span):
             return old
         start = self.starts[seq]
-        new = ring_rows + self.offsets[seq] + (pos - start).clamp(min=0)
-        return torch.where(pos >= start, new, old)
+        new = ring_rows + self.offsets[seq] + np.maximum(pos - start, 0)
+        return np.where(pos >= start, new, old)
 
     def ring_write(self, ring: int) -> RingWrite:
         # Only the last `ring` tokens of a chunk survive in the ring; writing just those keeps indices unique.
         ends = (self.starts + self.lens)[self.seq]
         keep = self.positions >= ends - ring
-        src = torch.nonzero(keep).flatten()
+        src = np.flatnonzero(keep)
         dst = self.slots[self.seq[src]] * ring + self.positions[src] % ring
-        return RingWrite(src=src, dst=dst)
+        return RingWrite(src=_t(src), dst=_t(dst))
 
 
-def _group(tok: _Layout, seqs: torch.Tensor, block: int | None, geo: CacheGeometry, ring_rows: int) -> AttnGroup:
+def _group(tok: _Layout, seqs: np.ndarray, block: int | None, geo: CacheGeometry, ring_rows: int) -> AttnGroup:
     lens = tok.lens[seqs]
     block = int(lens.max()) if block is None else block
     num_blocks = (lens + block - 1) // block
-    block_seq = torch.repeat_interleave(seqs, num_blocks)  # chunk index of each block
-    first_block = torch.cumsum(num_blocks, 0) - num_blocks
-    block_in_seq = torch.arange(int(num_blocks.sum())) - torch.repeat_interleave(first_block, num_blocks)
+    block_seq = np.repeat(seqs, num_blocks)  # chunk index of each block
+    first_block = np.cumsum(num_blocks) - num_blocks
+    block_in_seq = np.arange(int(num_blocks.sum())) - np.repeat(first_block, num_blocks)
     first_pos = tok.starts[block_seq] + block_in_seq * block  # [NB]
-    q_pos = first_pos[:, None] + torch.arange(block)  # [NB, Bq]
+    q_pos = first_pos[:, None] + np.arange(block)  # [NB, Bq]
     end = (tok.starts + tok.lens)[block_seq][:, None]
     q_valid = q_pos < end
-    q_rows = torch.where(q_valid, tok.offsets[block_seq][:, None] + q_pos - tok.starts[block_seq][:, None], 0)
+    q_rows = np.where(q_valid, tok.offsets[block_seq][:, None] + q_pos - tok.starts[block_seq][:, None], 0)
 
     window = geo.window
-    key_pos = first_pos[:, None] - window + 1 + torch.arange(block + window - 1)  # [NB, Kw]
-    key_index = tok.store_rows(block_seq[:, None].expand_as(key_pos), key_pos, geo.window_ring, ring_rows, window)
+    key_pos = first_pos[:, None] - window + 1 + np.arange(block + window - 1)  # [NB, Kw]
+    key_index = tok.store_rows(block_seq[:, None], key_pos, geo.window_ring, ring_rows, window)
     rel = q_pos[:, :, None] - key_pos[:, None, :]  # [NB, Bq, Kw]: query pos - key pos
     key_mask = (rel >= 0) & (rel < window) & (key_pos >= 0)[:, None, :] & q_valid[:, :, None]
 
     visible, max_visible = {}, {}
     for kind, (ratio, _, _) in geo.compress.items():
-        visible[kind] = torch.where(q_valid, (q_pos + 1) // ratio, 0)
-        max_visible[kind] = int(visible[kind].max())
+        rows = np.where(q_valid, (q_pos + 1) // ratio, 0)
+        visible[kind], max_visible[kind] = _t(rows), int(rows.max())
     return AttnGroup(
-        q_rows=q_rows,
-        q_valid=q_valid,
-        q_pos=q_pos,
-        block_slot=tok.slots[block_seq],
-        key_index=torch.where((key_pos >= 0) & (key_pos < end), key_index, 0),
-        key_mask=key_mask,
+        q_rows=_t(q_rows),
+        q_valid=_t(q_valid),
+        q_pos=_t(q_pos),
+        block_slot=_t(tok.slots[block_seq]),
+        key_index=_t(np.where((key_pos >= 0) & (key_pos < end), key_index, 0)),
+        key_mask=_t(key_mask),
         visible=visible,
         max_visible=max_visible,
     )
@@ -186,23 +188,27 @@ def _compress(tok: _Layout, ratio: int, ring: int, max_rows: int, num_slots: int
     # Windows closing this step: w in [start // r, end // r).
     first, last = tok.starts // ratio, ends // ratio
     counts = last - first
-    win_seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    win_base = torch.cumsum(counts, 0) - counts
-    w = first[win_seq] + torch.arange(int(counts.sum())) - win_base[win_seq]  # [NW]
+    win_seq = np.repeat(np.arange(len(counts)), counts)
+    win_base = np.cumsum(counts) - counts
+    w = first[win_seq] + np.arange(int(counts.sum())) - win_base[win_seq]  # [NW]
     span = 2 * ratio if overlap else ratio
     # CSA: slots [0, r) hold the previous window's tokens, [r, 2r) this window's.
-    src_pos = (w - (1 if overlap else 0))[:, None] * ratio + torch.arange(span)  # [NW, span]
+    src_pos = (w - (1 if overlap else 0))[:, None] * ratio + np.arange(span)  # [NW, span]
     src_valid = src_pos >= 0
-    src = tok.store_rows(win_seq[:, None].expand_as(src_pos), src_pos, ring, num_slots * ring, span)
+    src = tok.store_rows(win_seq[:, None], src_pos, ring, num_slots * ring, span)
     return CompressMeta(
         ratio=ratio,
-        src=torch.where(src_valid, src, 0),
-        src_valid=src_valid,
-        row_dst=tok.slots[win_seq] * max_rows + w,
-        row_pos=w * ratio,
+        src=_t(np.where(src_valid, src, 0)),
+        src_valid=_t(src_valid),
+        row_dst=_t(tok.slots[win_seq] * max_rows + w),
+        row_pos=_t(w * ratio),
         write=tok.ring_write(ring),
         write_first=tok.write_first(ring, span),
     )
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def _to(obj, device: str):
