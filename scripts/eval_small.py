@@ -3,12 +3,14 @@
 layer's agreement with the trunk's greedy next-next token (the speculative acceptance rate) and its top-1
 accuracy against the real token.
 
-    python scripts/eval_small.py --model models/small
+    python scripts/eval_small.py --model models/small --json-out models/small/eval.json
+
+It prints a table, then the figures as JSON; --json-out also writes the JSON to a file (for scripts/model_card.py).
 """
 
 import sys
 
-from leanserve.train.trainer import eval_main
+from leanserve.train.evaluate import eval_main
 
 if __name__ == "__main__":
     sys.exit(eval_main())

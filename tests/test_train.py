@@ -4,6 +4,7 @@ directory leanserve loads and generates from, and a run is a pure function of it
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,16 +13,12 @@ from safetensors import safe_open
 
 from leanserve import LLM, SamplingParams
 from leanserve.config import ConfigError
-from leanserve.train import data
-from leanserve.train.trainer import (
-    TrainConfig,
-    check_parity,
-    evaluate,
-    model_config,
-    new_model,
-    train,
-    train_main,
-)
+from leanserve.train import card, data
+from leanserve.train.architecture import model_config, new_model
+from leanserve.train.card import card_main
+from leanserve.train.evaluate import eval_main, evaluate
+from leanserve.train.forward import check_parity
+from leanserve.train.trainer import TrainConfig, train, train_main
 
 # Every path (sliding / CSA / HCA, hash and top-k MoE, an indexer that selects 4 of up to 16 rows), tiny.
 TINY_MODEL = dict(
@@ -233,3 +230,36 @@ def test_same_seed_same_losses(trained, tmp_path, corpus_dir):
     other = tmp_path / "other"
     train(tiny_config(other, corpus_dir, seed=1), log=lambda m: None)
     assert losses_of(other) != losses_of(trained)
+
+
+# --- the model card ------------------------------------------------------------------------------------------------
+def test_model_card_reports_the_run_and_the_eval_figures(trained, corpus_dir, tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the loss curve needs the 'train' extra: pip install -e '.[train]'")
+    model = tmp_path / "model"
+    shutil.copytree(trained, model)
+    figures_path = tmp_path / "eval.json"
+    args = ["--model", str(model), "--corpus", str(corpus_dir), "--seq-len", "32", "--threads", "1"]
+    assert eval_main([*args, "--json-out", str(figures_path)]) == 0
+    printed = capsys.readouterr().out
+    figures = json.loads(figures_path.read_text())
+    stdout_copy = tmp_path / "eval_stdout.txt"
+    stdout_copy.write_text(printed)
+    assert card.read_eval_json(stdout_copy) == figures  # eval_small.py's whole stdout is accepted too
+
+    assert card_main(["--model", str(model), "--eval-json", str(figures_path), "--threads", "1"]) == 0
+    png = (model / "loss_curve.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+    readme = (model / "README.md").read_text()
+    summary = json.loads((model / "train_summary.json").read_text())
+    for key in ("trunk_top1", "mtp_agreement", "mtp_top1"):
+        assert f"{100 * figures[key]:.2f}%" in readme
+    assert "scripts/eval_small.py --model" in readme and f"--max-tokens {figures['tokens']}" in readme
+    assert f"{summary['parameters']:,}" in readme and f"{summary['train_stream_tokens']:,}" in readme
+    assert "![" in readme and "(loss_curve.png)" in readme
+    assert "def fibonacci(n):" in readme and "leanserve generate --model" in readme
+    cfg_layers = json.loads((model / "config.json").read_text())["layer_types"]
+    assert len(cfg_layers) == 3 and "heavily compressed (HCA)" in readme and "hash-routed" in readme
+
+    # without --eval-json the card takes the figures from train_summary.json; this run recorded none
+    assert card_main(["--model", str(model), "--threads", "1"]) == 0
+    assert "No held-out figures" in (model / "README.md").read_text()

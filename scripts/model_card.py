@@ -1,0 +1,15 @@
+#!/usr/bin/env python
+"""Write the model card (README.md) and the loss curve (loss_curve.png) of a model trained by
+scripts/train_small.py, from its train_summary.json / train_log.jsonl, optional eval_small.py figures and a
+greedy example completion.
+
+    python scripts/eval_small.py --model models/small --json-out models/small/eval.json
+    python scripts/model_card.py --model models/small --eval-json models/small/eval.json
+"""
+
+import sys
+
+from leanserve.train.card import card_main
+
+if __name__ == "__main__":
+    sys.exit(card_main())
