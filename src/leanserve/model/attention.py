@@ -21,7 +21,7 @@ from leanserve.model.cache import LayerCache
 from leanserve.model.compressor import Compressor, Indexer
 from leanserve.model.layers import RMSNorm, apply_rope, fp32_param, rms_norm
 
-Rope = tuple[torch.Tensor, torch.Tensor]
+Rope = torch.Tensor  # complex RoPE factors, see layers.Rotary
 
 
 class Attention(nn.Module):
@@ -62,8 +62,8 @@ class Attention(nn.Module):
         rope = ropes[self.rope_kind]
         q_residual = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
         q = self.wq_b(q_residual).view(num_tokens, self.n_heads, self.head_dim)
-        q = apply_rope(rms_norm(q, self.eps), *rope)
-        kv = apply_rope(self.norm(self.wkv(x)), *rope)  # [T, D]
+        q = apply_rope(rms_norm(q, self.eps), rope)
+        kv = apply_rope(self.norm(self.wkv(x)), rope)  # [T, D]
 
         # Window keys come from the ring (earlier steps) and this step's rows; see model/batch.py.
         ring = cache.window_kv.view(-1, self.head_dim)
@@ -97,7 +97,7 @@ class Attention(nn.Module):
             out[g.q_rows[g.q_valid]] = attended[g.q_valid]
         if not fb.window_write_first:
             ring.index_copy_(0, write.dst, kv[write.src].to(ring.dtype))
-        out = apply_rope(out, *rope, inverse=True)
+        out = apply_rope(out, rope, inverse=True)
 
         # Grouped low-rank output projection: each group of heads -> o_lora_rank, then mix to hidden.
         grouped = out.reshape(num_tokens, self.o_groups, -1)  # [T, G, H*D/G]

@@ -34,7 +34,7 @@ class Compressor(nn.Module):
         kv_ring: torch.Tensor,  # [slots, B, width]
         gate_ring: torch.Tensor,  # [slots, B, width]
         rows: torch.Tensor,  # [slots, max_rows, dim]
-        row_rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin at each closing window's position
+        row_rope: torch.Tensor,  # RoPE factors at each closing window's position
     ) -> None:
         """Writes the entries of the windows that close this step into `rows`, then stores this step's
         projections in the rings."""
@@ -59,7 +59,7 @@ class Compressor(nn.Module):
             kv_src = kv_src.masked_fill(~meta.src_valid[..., None], 0.0)
             weights = gate_src.softmax(dim=1, dtype=torch.float32).to(kv_src.dtype)
             entries = self.norm((kv_src * weights).sum(dim=1))  # [NW, dim]
-            entries = apply_rope(entries, *row_rope)
+            entries = apply_rope(entries, row_rope)
             rows.view(-1, self.dim).index_copy_(0, meta.row_dst, entries.to(rows.dtype))
         if not meta.write_first:
             self._store(kv, gate, kv_flat, gate_flat, meta)
@@ -91,10 +91,10 @@ class Indexer(nn.Module):
         self.compressor = Compressor(hidden_size, head_dim, ratio, overlap=True, eps=eps)
 
     def queries(
-        self, x: torch.Tensor, q_residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self, x: torch.Tensor, q_residual: torch.Tensor, rope: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token: RoPE'd indexer queries [T, H, d] and head weights [T, H] (float32)."""
-        q = apply_rope(self.wq_b(q_residual).view(-1, self.n_heads, self.head_dim), *rope)
+        q = apply_rope(self.wq_b(q_residual).view(-1, self.n_heads, self.head_dim), rope)
         return q.float(), self.weights_proj(x).float() * self.n_heads**-0.5
 
     def select(

@@ -55,46 +55,40 @@ def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for positions [0, max_positions), looked up by position; RoPE rotates the trailing
-    `rope_dim` channels of each head, in interleaved pairs (2i, 2i+1)."""
+    """RoPE angles for positions [0, max_positions) as complex numbers `scale * e^(i*theta)`, one per
+    interleaved channel pair (2i, 2i+1) of the trailing `rope_dim` channels of a head."""
 
     def __init__(self, rope: RopeConfig, rope_dim: int, max_positions: int) -> None:
         super().__init__()
         self.rope, self.rope_dim, self.max_positions = rope, rope_dim, max_positions
-        cos, sin = self._tables()
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("freqs", self._freqs(), persistent=False)
 
-    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _freqs(self) -> torch.Tensor:
         inv_freq = rope_inv_freq(self.rope, self.rope_dim)
-        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq  # [P, rope_dim/2]
-        scale = self.rope.attention_factor
-        return freqs.cos() * scale, freqs.sin() * scale
+        angles = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq  # [P, rope_dim/2]
+        return torch.polar(torch.full_like(angles, self.rope.attention_factor), angles)
 
     def reset_tables(self) -> None:
-        # After construction on the meta device: compute the tables for real on the buffers' device.
-        with torch.device(self.cos.device):
-            cos, sin = self._tables()
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
+        # After construction on the meta device: compute the table for real on the buffer's device.
+        with torch.device(self.freqs.device):
+            self.freqs.copy_(self._freqs())
 
-    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed sin), [..., rope_dim] each: a channel pair (2i, 2i+1) shares one angle, and the sin
-        carries the rotation's sign (-sin on even channels), so RoPE is x * cos + swap_pairs(x) * sin."""
-        cos = self.cos[positions].repeat_interleave(2, dim=-1)
-        sin = self.sin[positions]
-        return cos, torch.stack((-sin, sin), dim=-1).flatten(-2)
+    def table(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.freqs[positions]  # [..., rope_dim / 2] complex
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """x: [N, ..., D]; cos/sin from Rotary.table, [N, rope_dim], broadcast over the middle dims. Rotates the
-    trailing rope_dim channels in interleaved pairs; `inverse` rotates by the opposite angle."""
-    rope_dim = cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim,)
-    cos, sin = cos.view(shape), sin.view(shape)
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    swapped = rope.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
-    if x.dtype != torch.float32:
-        rope, swapped = rope.float(), swapped.float()
-    rope = torch.addcmul(rope * cos, swapped, sin, value=-1.0 if inverse else 1.0).to(x.dtype)
-    return torch.cat([nope, rope], dim=-1)
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x: [N, ..., D]; freqs from Rotary.table, [N, rope_dim/2], broadcast over the middle dims. Rotates the
+    trailing rope_dim channels in interleaved pairs (as complex numbers); `inverse` rotates by -angle."""
+    rope_dim = 2 * freqs.shape[-1]
+    freqs = freqs.view((freqs.shape[0],) + (1,) * (x.dim() - 2) + (-1,))
+    if inverse:
+        freqs = freqs.conj()
+    out = x.clone()
+    rope = out[..., -rope_dim:]
+    if x.dtype == torch.float32:
+        torch.view_as_complex(rope.unflatten(-1, (-1, 2))).mul_(freqs)
+    else:  # rotate in float32, store back in x's dtype
+        rotated = torch.view_as_complex(rope.float().unflatten(-1, (-1, 2))) * freqs
+        rope.copy_(torch.view_as_real(rotated).flatten(-2))
+    return out

@@ -47,9 +47,9 @@ class Ctx:
     length: int
     block: int  # queries per attention block (= the sliding window)
     padded: int  # length rounded up to a multiple of `block`
-    main_rope: tuple[torch.Tensor, torch.Tensor]  # [B*L, rope] each
-    compress_rope: tuple[torch.Tensor, torch.Tensor] | None
-    row_rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # per kind: [B*rows, rope]
+    main_rope: torch.Tensor  # [B*L, rope/2] complex RoPE factors
+    compress_rope: torch.Tensor | None
+    row_rope: dict[str, torch.Tensor]  # per kind: [B*rows, rope/2]
     window_mask: torch.Tensor  # [nb, block, block + window] bool
     visible: dict[str, torch.Tensor]  # per kind: [L, rows] bool
     stats: dict[str, Any] = field(default_factory=dict)  # filled by the forward: router loads, indexer loss
@@ -94,7 +94,7 @@ def _compress(comp: Compressor, x: torch.Tensor, ctx: Ctx, kind: str) -> torch.T
         gate = torch.cat([prev_gate, gate[..., d:]], dim=2)
     weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
     entries = comp.norm((kv * weights).sum(dim=2))  # [B, rows, d]
-    return apply_rope(entries.reshape(batch * rows, d), *ctx.row_rope[kind]).view(batch, rows, d)
+    return apply_rope(entries.reshape(batch * rows, d), ctx.row_rope[kind]).view(batch, rows, d)
 
 
 def _indexer_scores(idx: Indexer, x: torch.Tensor, q_residual: torch.Tensor, ctx: Ctx) -> torch.Tensor:
@@ -103,7 +103,7 @@ def _indexer_scores(idx: Indexer, x: torch.Tensor, q_residual: torch.Tensor, ctx
     batch, length = x.shape[:2]
     rows = _compress(idx.compressor, x, ctx, CSA)  # [B, n, dh]
     q = idx.wq_b(q_residual).view(batch * length, idx.n_heads, idx.head_dim)
-    q = apply_rope(q, *ctx.compress_rope).view(batch, length * idx.n_heads, idx.head_dim)
+    q = apply_rope(q, ctx.compress_rope).view(batch, length * idx.n_heads, idx.head_dim)
     scores = F.relu(torch.bmm(q, rows.transpose(1, 2))) * idx.head_dim**-0.5  # [B, L*H, n]
     head_w = idx.weights_proj(x).float() * idx.n_heads**-0.5  # [B, L, H]
     scores = torch.matmul(head_w.unsqueeze(2), scores.view(batch, length, idx.n_heads, -1)).squeeze(2)
@@ -116,8 +116,8 @@ def _attention(attn: Attention, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
     heads, dim = attn.n_heads, attn.head_dim
     rope = ctx.main_rope if attn.rope_kind == "main" else ctx.compress_rope
     q_residual = attn.q_norm(attn.wq_a(x))
-    q = apply_rope(rms_norm(attn.wq_b(q_residual).view(-1, heads, dim), attn.eps), *rope)
-    kv = apply_rope(attn.norm(attn.wkv(x)), *rope)  # [B*L, D]
+    q = apply_rope(rms_norm(attn.wq_b(q_residual).view(-1, heads, dim), attn.eps), rope)
+    kv = apply_rope(attn.norm(attn.wkv(x)), rope)  # [B*L, D]
 
     nb, window = padded // block, ctx.window_mask.shape[-1] - block
     pad = padded - length
@@ -163,7 +163,7 @@ def _attention(attn: Attention, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
     probs = torch.cat([scores, sinks], dim=-1).float().softmax(dim=-1)[..., :-1].to(keys.dtype)
     out = torch.matmul(probs.view(batch, nb, block * heads, -1), keys)  # [B, nb, Q*H, D]
     out = out.view(batch, padded, heads, dim)[:, :length].reshape(batch * length, heads, dim)
-    out = apply_rope(out, *rope, inverse=True)
+    out = apply_rope(out, rope, inverse=True)
     grouped = out.reshape(batch * length, attn.o_groups, -1)
     w = attn.wo_a.weight.view(attn.o_groups, -1, grouped.shape[-1])
     projected = torch.einsum("tgi,goi->tgo", grouped, w).flatten(1)
