@@ -45,6 +45,7 @@ class LLMEngine:
         load_weights(model, config.model, progress=progress)
         geometry = CacheGeometry.build(cfg, config.max_num_seqs, self.max_model_len)
         self.runner = ModelRunner(model, geometry, self.dtype, config.device)
+        self.runner.warmup()
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self._rng = random.Random(config.seed)
         self._requests: dict[int, RequestState] = {}

@@ -28,6 +28,13 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
+    def warmup(self) -> None:
+        """One throw-away forward, so first-call costs (kernel compilation, allocator) are not billed to the
+        first request. It writes position 0 of slot 0, which no sequence has committed yet."""
+        fb = build_forward_batch([Chunk(0, 0, [0])], self.geometry, logits_index=[0], device=self.device)
+        self.model(fb, self.caches)
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, seeds: dict[int, int]) -> dict[int, SampledToken]:
         """Runs one step; returns the sampled token of every sequence whose last chunk was fed."""
         chunks, rows, sampled = [], [], []
