@@ -9,21 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from leanserve import LLM, SamplingParams
 from leanserve.cli import main
 from leanserve.make_random import make_random
 
 VOCAB = 512
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -40,15 +40,6 @@ def tok_prompt(token_ids: list[int]) -> dict:
 PROMPTS = [ids(n, seed) for seed, n in enumerate((3, 41, 17, 1, 29, 60, 12))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The tiny model is dominated by small ops; one intra-op thread is much faster on a shared, small machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     return make_random(tmp_path_factory.mktemp("llm_tiny"), "tiny", seed=0)

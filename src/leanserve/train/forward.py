@@ -36,7 +36,7 @@ from leanserve.model.compressor import Compressor, Indexer
 from leanserve.model.deepseek_v4 import DeepseekV4
 from leanserve.model.hyper import hc_head
 from leanserve.model.layers import apply_rope, rms_norm
-from leanserve.model.moe import MoE, score, swiglu
+from leanserve.model.moe import MoE, swiglu
 
 
 @dataclass
@@ -172,13 +172,7 @@ def _attention(attn: Attention, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
 
 def _moe(moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, ctx: Ctx, stats_key: str) -> torch.Tensor:
     gate, experts_mod = moe.gate, moe.experts
-    scores = score(F.linear(x, gate.weight).float(), gate.scoring_func)  # [T, E]
-    if gate.is_hash:
-        experts = gate.tid2eid[input_ids]
-    else:
-        experts = torch.topk(scores + gate.bias, gate.top_k, dim=-1, sorted=False).indices
-    weights = scores.gather(1, experts)
-    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * gate.scale
+    weights, experts = gate(x, input_ids)  # the router is differentiable as it is
 
     top_k, num_experts = experts.shape[1], experts_mod.w13.shape[0]
     flat = experts.flatten()
