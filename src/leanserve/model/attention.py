@@ -82,7 +82,7 @@ class Attention(nn.Module):
                 if any(g.max_visible[self.layer_type] > self.indexer.topk for g in fb.groups):
                     index_queries = self.indexer.queries(x, q_residual, rope)
 
-        out = torch.empty_like(q)
+        out = None if fb.groups[0].is_identity else torch.empty_like(q)  # an identity group is the only one
         for g in fb.groups:
             keys, mask = store[g.key_index], g.key_mask  # [NB, Kw, D], [NB, Bq, Kw]
             n = g.max_visible[self.layer_type] if self.compressor is not None else 0
@@ -93,8 +93,11 @@ class Attention(nn.Module):
                     row_mask = self.indexer.select(index_queries, g, cache.idx_rows, row_mask)
                 keys = torch.cat([keys, rows.to(keys.dtype)], dim=1)
                 mask = torch.cat([mask, row_mask], dim=-1)
-            attended = self._attend(q[g.q_rows], keys, mask)  # [NB, Bq, H, D]
-            out[g.q_rows[g.q_valid]] = attended[g.q_valid]
+            attended = self._attend(g.gather(q), keys, mask)  # [NB, Bq, H, D]
+            if g.is_identity:
+                out = attended.squeeze(1)
+            else:
+                out[g.q_rows[g.q_valid]] = attended[g.q_valid]
         if not fb.window_write_first:
             ring.index_copy_(0, write.dst, kv[write.src].to(ring.dtype))
         out = apply_rope(out, rope, inverse=True)

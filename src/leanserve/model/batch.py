@@ -49,6 +49,13 @@ class AttnGroup:
     key_mask: torch.Tensor  # [NB, Bq, Kw] bool: key in the query's sliding window
     visible: dict[str, torch.Tensor]  # per compressed kind: [NB, Bq] compressed rows each query may see
     max_visible: dict[str, int]  # per compressed kind: max over the group
+    # True when the group is every token, one per block, in order (a pure decode step): q_rows is
+    # arange(T)[:, None], so gathering queries and scattering outputs are plain reshapes.
+    is_identity: bool = False
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token rows [T, ...] -> per-query rows [NB, Bq, ...]."""
+        return x.unsqueeze(1) if self.is_identity else x[self.q_rows]
 
 
 @dataclass
@@ -180,6 +187,7 @@ def _group(tok: _Layout, seqs: np.ndarray, block: int | None, geo: CacheGeometry
         key_mask=_t(key_mask),
         visible=visible,
         max_visible=max_visible,
+        is_identity=block == 1 and len(seqs) == len(tok.lens) and len(tok.seq) == len(seqs),
     )
 
 

@@ -105,7 +105,7 @@ class Indexer(nn.Module):
         visible: torch.Tensor,  # [NB, Bq, n] bool: rows each query may see
     ) -> torch.Tensor:
         """[NB, Bq, n] bool: the `topk` visible rows with the highest index scores, per query."""
-        q, head_weights = queries[0][group.q_rows], queries[1][group.q_rows]  # [NB, Bq, H, d], [NB, Bq, H]
+        q, head_weights = group.gather(queries[0]), group.gather(queries[1])  # [NB, Bq, H, d], [NB, Bq, H]
         keys = rows[group.block_slot, : visible.shape[-1]].float()  # [NB, n, d]
         scores = F.relu(torch.einsum("bqhd,bnd->bqhn", q, keys)) * self.head_dim**-0.5
         scores = torch.einsum("bqhn,bqh->bqn", scores, head_weights).masked_fill(~visible, float("-inf"))
