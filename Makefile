@@ -2,10 +2,10 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
-MODEL  ?= build/random-tiny
-PROMPT ?= 1,17,42,99,7,256,3,88
+MODEL  ?= models/dsv4-stdlib-8m
+PROMPT ?= def fibonacci(n):
 
-.PHONY: install run test lint clean
+.PHONY: install run random-tiny test lint clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -20,11 +20,14 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-$(MODEL)/model.safetensors: | $(STAMP)
-	$(VENV)/bin/leanserve make-random $(MODEL) --preset tiny --seed 0 --force
+# The shipped default model: a small DeepSeek-V4-architecture model trained on Python's standard library.
+run: install
+	$(VENV)/bin/leanserve generate --model $(MODEL) --prompt '$(PROMPT)' --max-tokens 64
 
-run: install $(MODEL)/model.safetensors
-	$(VENV)/bin/leanserve generate --model $(MODEL) --prompt-token-ids $(PROMPT) --max-tokens 32 --ignore-eos
+# A random-weight checkpoint with every path of the architecture, for experiments and benchmarks.
+random-tiny: build/random-tiny/model.safetensors
+build/random-tiny/model.safetensors: | $(STAMP)
+	$(VENV)/bin/leanserve make-random build/random-tiny --preset tiny --seed 0 --force
 
 test: install
 	$(VENV)/bin/ruff check src tests

@@ -1,0 +1,50 @@
+"""The shipped default model: it loads in transformers too, and both engines agree on greedy tokens."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from leanserve import LLM, SamplingParams
+from leanserve.model.loader import has_mtp_weights
+
+MODEL = Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-8m"
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\n\n\ndef list_files(path):\n    ",
+    "class Stack:\n    def __init__(self):\n",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model=str(MODEL), dtype="float32", max_model_len=512, load_progress=False)
+
+
+def test_shipped_model_has_everything_a_user_needs():
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "README.md"):
+        assert (MODEL / name).is_file(), name
+    assert has_mtp_weights(MODEL)
+    assert (MODEL / "model.safetensors").stat().st_size <= 20 * 1024 * 1024
+
+
+def test_greedy_tokens_equal_transformers(llm):
+    from transformers import DeepseekV4ForCausalLM
+
+    hf = DeepseekV4ForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    tok = llm.get_tokenizer()
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.inference_mode():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist(), prompt
+
+
+def test_completion_is_python_like(llm):
+    # A model that learned Python opens an indented function body after a signature; a random one does not.
+    # (No trailing newline in the prompt: the tokenizer merges a newline with the indentation after it.)
+    for prompt in ("def add(a, b):", "def fibonacci(n):", "class Stack:"):
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0]
+        assert out.outputs[0].text.startswith("\n    "), (prompt, out.outputs[0].text)
