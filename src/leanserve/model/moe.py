@@ -59,39 +59,28 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(experts, hidden, inter))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        num_experts, top_k = self.w13.shape[0], experts.shape[1]
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
-        token_of = order // top_k
-        counts = torch.bincount(flat, minlength=num_experts)
-        xs = x[token_of]  # [N, hidden], rows of one expert contiguous
-        capacity = int(counts.max())
-        if num_experts * capacity <= 3 * xs.shape[0]:
-            ys = self._padded(xs, flat[order], counts, capacity)
-        else:
-            ys = self._per_expert(xs, counts.tolist())
+        token_of = order // experts.shape[1]
+        ends = torch.cumsum(torch.bincount(flat, minlength=self.w13.shape[0]), 0)
+        gate, up = grouped_mm(x[token_of], self.w13, ends).chunk(2, dim=-1)  # [N, I] each
+        ys = grouped_mm(swiglu(gate, up, self.limit), self.w2, ends)  # [N, hidden]
         ys *= weights.flatten()[order, None].to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
-    def _per_expert(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        # One matmul pair per expert that received tokens: each active expert's weights are read once.
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                end = start + count
-                gate, up = F.linear(xs[start:end], self.w13[e]).chunk(2, dim=-1)
-                torch.mm(swiglu(gate, up, self.limit), self.w2[e].T, out=ys[start:end])
-                start = end
-        return ys
 
-    def _padded(self, xs: torch.Tensor, expert_of: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
-        # Most experts busy: two batched matmuls over [experts, capacity] slots instead of a loop.
-        slot = torch.arange(xs.shape[0], device=xs.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
-        slots = xs.new_zeros(self.w13.shape[0], capacity, xs.shape[1])
-        slots[expert_of, slot] = xs
-        gate, up = torch.bmm(slots, self.w13.transpose(1, 2)).chunk(2, dim=-1)
-        return torch.bmm(swiglu(gate, up, self.limit), self.w2.transpose(1, 2))[expert_of, slot]
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows [ends[e-1], ends[e]) of x times w[e]^T: x [N, in], w [E, out, in] -> [N, out]. Each expert's
+    weights are read once, and only its own rows are computed."""
+    if x.device.type == "cpu" and hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            torch.mm(x[start:end], w[e].T, out=out[start:end])
+        start = end
+    return out
 
 
 class SharedExpert(nn.Module):
