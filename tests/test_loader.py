@@ -198,17 +198,22 @@ def write_sharded(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Pat
     return dst
 
 
+def assert_loads_like(reference_dir, model_dir, lean_runner_cls, prompt, ref_logits):
+    # The same logits and the same parameters, tensor for tensor, as the reference checkpoint.
+    model = load(model_dir, with_mtp=True)
+    assert torch.equal(logits_of(model, lean_runner_cls, prompt), ref_logits)
+    reference = load(reference_dir, with_mtp=True).state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, reference[name]), name
+
+
 def test_sharded_checkpoint_loads_to_identical_logits(
     tiny_ckpt, tensors, tmp_path, ref_logits, prompt, lean_runner_cls
 ):
     sharded = write_sharded(tiny_ckpt, tmp_path, tensors)
     assert not (sharded / SINGLE).exists()
     assert has_mtp_weights(sharded)
-    model = load(sharded, with_mtp=True)
-    assert torch.equal(logits_of(model, lean_runner_cls, prompt), ref_logits)
-    reference = load(tiny_ckpt, with_mtp=True).state_dict()
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, reference[name]), name
+    assert_loads_like(tiny_ckpt, sharded, lean_runner_cls, prompt, ref_logits)
 
 
 def test_sharded_checkpoint_with_a_missing_shard(tiny_ckpt, tensors, tmp_path):
@@ -249,11 +254,7 @@ def test_deepseek_names_load_to_identical_logits(tiny_ckpt, tensors, tmp_path, r
     assert not any(k.startswith("model.") for k in renamed)
     ds = clone(tiny_ckpt, tmp_path, renamed)
     assert has_mtp_weights(ds)
-    model = load(ds, with_mtp=True)
-    assert torch.equal(logits_of(model, lean_runner_cls, prompt), ref_logits)
-    reference = load(tiny_ckpt, with_mtp=True).state_dict()
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, reference[name]), name
+    assert_loads_like(tiny_ckpt, ds, lean_runner_cls, prompt, ref_logits)
 
 
 def test_deepseek_names_sharded_and_mixed(tiny_ckpt, tensors, tmp_path, ref_logits, prompt, lean_runner_cls):
