@@ -309,7 +309,7 @@ def test_eos_from_generation_config_overrides_config(tmp_path, ckpt, long_greedy
 # --- logprobs ---------------------------------------------------------------------------------------------
 def reference_logprobs(llm: LLM, prompt: list[int], output: list[int]) -> torch.Tensor:
     """[len(output), V] log_softmax of one unchunked forward over prompt + output[:-1] in fresh caches."""
-    model, geo = llm.engine.runner.model, llm.engine.runner.geometry
+    model, geo = llm.engine.executor.runner.model, llm.engine.executor.runner.geometry
     caches = model.allocate_cache(geo, torch.float32)
     seq = prompt + output[:-1]
     with torch.inference_mode():
@@ -421,7 +421,7 @@ def test_bad_sampling_params_raise(kwargs, match):
 
 def test_generate_interrupted_mid_run_leaves_the_engine_usable(ckpt, alone, monkeypatch):
     engine = LLM(model=str(ckpt), max_model_len=MAX_LEN, max_num_seqs=2, load_progress=False)
-    execute, calls = engine.engine.runner.execute, []
+    execute, calls = engine.engine.executor.runner.execute, []
 
     def fail_on_second_step(*args, **kwargs):
         calls.append(1)
@@ -429,7 +429,7 @@ def test_generate_interrupted_mid_run_leaves_the_engine_usable(ckpt, alone, monk
             raise RuntimeError("interrupted")
         return execute(*args, **kwargs)
 
-    monkeypatch.setattr(engine.engine.runner, "execute", fail_on_second_step)
+    monkeypatch.setattr(engine.engine.executor.runner, "execute", fail_on_second_step)
     with pytest.raises(RuntimeError, match="interrupted"):
         engine.generate([tok_prompt(PROMPTS[0]), tok_prompt(PROMPTS[2])], GREEDY)
     (res,) = engine.generate(tok_prompt(GOOD), GREEDY)

@@ -313,6 +313,84 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+SPEC_METHODS = ("mtp", "ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Which speculative method runs and how far it drafts. The fields and the use_eagle() /
+    uses_draft_model() predicates follow vLLM's; needs_target_hidden_states() says whether the last stage
+    must keep the trunk's pre-hc_head streams for the drafter, and only MTP reads them."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # draft_model: the draft checkpoint's directory
+    prompt_lookup_max: int | None = None  # ngram: longest n-gram matched against the context
+    prompt_lookup_min: int | None = None  # ngram: shortest (defaults to 1)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}.")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}.")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ConfigError(
+                    "speculative_config.model (the draft checkpoint's directory) is required for draft_model."
+                )
+        elif self.model is not None:
+            raise ConfigError(f"speculative_config.model is only for draft_model, not {self.method}.")
+        lookup = (self.prompt_lookup_min, self.prompt_lookup_max)
+        if self.method != "ngram":
+            if lookup != (None, None):
+                raise ConfigError(f"speculative_config.prompt_lookup_min/max are only for ngram, not {self.method}.")
+            return
+        if self.prompt_lookup_max is None:
+            raise ConfigError("speculative_config.prompt_lookup_max is required for ngram.")
+        if self.prompt_lookup_min is None:
+            object.__setattr__(self, "prompt_lookup_min", 1)
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"speculative_config.{name} must be an integer >= 1, got {value!r}.")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
+                f"prompt_lookup_max ({self.prompt_lookup_max})."
+            )
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """None, a SpeculativeConfig, a dict, or the same as a JSON string (the CLI's form)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config is not valid JSON: {e}.") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config has unknown field(s) {unknown}; known: {sorted(known)}.")
+        for name in ("method", "num_speculative_tokens"):
+            if name not in value:
+                raise ConfigError(f"speculative_config.{name} is required.")
+        return cls(**value)
+
+    def use_eagle(self) -> bool:
+        return self.method in ("eagle", "eagle3", "mtp")
+
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    def needs_target_hidden_states(self) -> bool:
+        return self.method == "mtp"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -322,8 +400,25 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     device: str = "cpu"
+    pipeline_parallel_size: int = 1
+    # Layers per stage, first to last; None splits evenly (the remainder on the earliest stages).
+    pipeline_layer_counts: tuple[int, ...] | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        pp = self.pipeline_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ConfigError(f"pipeline_parallel_size must be a positive integer, got {pp!r}.")
+        if self.pipeline_layer_counts is not None:
+            counts = tuple(self.pipeline_layer_counts)
+            object.__setattr__(self, "pipeline_layer_counts", counts)
+            if len(counts) != pp:
+                raise ConfigError(
+                    f"pipeline_layer_counts has {len(counts)} entries but pipeline_parallel_size is {pp}."
+                )
+            if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+                raise ConfigError(f"pipeline_layer_counts entries must be positive integers, got {list(counts)}.")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

@@ -7,8 +7,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from leanserve.config import EngineConfig
+from leanserve.config import EngineConfig, SpeculativeConfig
 from leanserve.engine.llm_engine import LLMEngine, RequestState
+from leanserve.memory import StageMemory
 from leanserve.outputs import CompletionOutput, Logprob, RequestOutput
 from leanserve.sampling_params import SamplingParams
 
@@ -26,7 +27,13 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         device: str = "cpu",
         load_progress: bool = True,
+        pipeline_parallel_size: int = 1,
+        pipeline_layer_counts: Sequence[int] | None = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
     ) -> None:
+        """pipeline_parallel_size N > 1 runs the model as N stage processes (this one is stage 0; the others
+        are spawned here, or are the other ranks under torchrun); pipeline_layer_counts overrides the even
+        split of layers. speculative_config: {"method": "mtp" | "ngram" | "draft_model", ...}."""
         config = EngineConfig(
             model=str(model),
             dtype=dtype,
@@ -35,8 +42,26 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             device=device,
+            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_layer_counts=tuple(pipeline_layer_counts) if pipeline_layer_counts is not None else None,
+            speculative_config=speculative_config,
         )
         self.engine = LLMEngine(config, progress=load_progress)
+
+    def memory_ledger(self) -> list[StageMemory]:
+        """Per pipeline stage: weights_bytes and every persistent buffer (name, owner, feature, bytes, dtype,
+        shape, device). `[s.to_dict() for s in llm.memory_ledger()]` is the JSON form."""
+        return self.engine.memory_ledger()
+
+    def shutdown(self) -> None:
+        """Stops the pipeline stage processes (if any). The LLM cannot generate afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -6,16 +6,18 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from leanserve.config import EngineConfig, ModelConfig
-from leanserve.engine.runner import ModelRunner, SampledToken
+from leanserve.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from leanserve.engine.pipeline import LaunchSpec, PipelineDriver, in_torchrun, serve_torchrun_stage, torchrun_rank
+from leanserve.engine.runner import SampledToken, StageRunner, StepPlan
 from leanserve.engine.scheduler import Scheduler
 from leanserve.engine.sequence import Sequence
-from leanserve.model.cache import CacheGeometry
-from leanserve.model.deepseek_v4 import build_model
-from leanserve.model.loader import checkpoint_dtype, load_weights
+from leanserve.engine.topology import PipelineTopology
+from leanserve.memory import StageMemory, format_bytes, format_table
+from leanserve.model.loader import checkpoint_dtype, has_mtp_weights
 from leanserve.outputs import RequestMetrics
 from leanserve.sampling_params import SamplingParams
 from leanserve.tokenizer import Tokenizer, generation_eos_ids
@@ -33,23 +35,64 @@ class RequestState:
     sampled: list[SampledToken] = field(default_factory=list)
 
 
+class LocalExecutor:
+    """The whole model in this process (pipeline_parallel_size 1)."""
+
+    def __init__(self, runner: StageRunner) -> None:
+        self.runner = runner
+        self.infos = [runner.info()]
+
+    def execute(self, plan: StepPlan) -> dict[int, SampledToken]:
+        return self.runner.execute(plan)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        pass
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         self.model_config = cfg = ModelConfig.from_hf(config.model)
-        self.tokenizer = Tokenizer.from_dir(config.model)
-        self.eos_token_ids = generation_eos_ids(config.model) or cfg.eos_token_ids
+        # Everything that can be wrong with the request is checked here, before any process starts.
+        self.topology = PipelineTopology.build(cfg, config.pipeline_parallel_size, config.pipeline_layer_counts)
+        check_speculative(config.speculative_config, cfg, config.model)
         self.max_model_len = config.resolved_max_model_len(cfg)
         self.dtype = resolve_dtype(config.dtype, config.model)
-        model = build_model(cfg, self.max_model_len, self.dtype, device=config.device)
-        load_weights(model, config.model, progress=progress)
-        geometry = CacheGeometry.build(cfg, config.max_num_seqs, self.max_model_len)
-        self.runner = ModelRunner(model, geometry, self.dtype, config.device)
-        self.runner.warmup()
+        if self.topology.num_stages > 1 and in_torchrun() and torchrun_rank() != 0:
+            # Under torchrun every rank runs the caller's program; ranks other than 0 serve their stage here.
+            raise SystemExit(serve_torchrun_stage())
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.eos_token_ids = generation_eos_ids(config.model) or cfg.eos_token_ids
+        if self.topology.num_stages == 1:
+            runner = StageRunner(cfg, config, self.topology.layout(0), self.dtype, self.max_model_len, progress)
+            runner.warmup()
+            self.executor: LocalExecutor | PipelineDriver = LocalExecutor(runner)
+        else:
+            spec = LaunchSpec(
+                config, cfg, self.topology, str(self.dtype).removeprefix("torch."), self.max_model_len,
+                torch.get_num_threads(),
+            )  # fmt: skip
+            self.executor = PipelineDriver(spec, progress)
+        for info in self.executor.infos:
+            m = info.memory
+            by_feature = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(m.by_feature().items()))
+            layers = f"layers {info.layout.first_layer}-{info.layout.end_layer - 1}"
+            logger.info(
+                "stage %d (%s): weights %s; buffers %s (%s)", m.stage, layers, format_bytes(m.weights_bytes),
+                format_bytes(m.buffers_bytes), by_feature,
+            )  # fmt: skip
+        logger.debug("memory ledger:\n%s", format_table(self.memory_ledger()))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self._rng = random.Random(config.seed)
         self._requests: dict[int, RequestState] = {}
         self._next_id = 0
+
+    def memory_ledger(self) -> list[StageMemory]:
+        """Per stage: its weights' bytes and every persistent buffer it allocated, with the feature needing it."""
+        return [info.memory for info in self.executor.infos]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     # --- requests -------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -96,7 +139,7 @@ class LLMEngine:
         if batch is None:
             return []
         seeds = {s.seq.seq_id: self._requests[s.seq.seq_id].seed for s in batch.seqs if s.is_sampled}
-        sampled = self.runner.execute(batch, seeds)
+        sampled = self.executor.execute(StepPlan.from_batch(batch, seeds))
         now = time.perf_counter()
         for seq_id, token in sampled.items():
             state = self._requests[seq_id]
@@ -110,6 +153,18 @@ class LLMEngine:
             state.metrics.finished_time = now
             done.append(state)
         return done
+
+
+def check_speculative(spec: SpeculativeConfig | None, cfg: ModelConfig, model_dir: str) -> None:
+    if spec is None:
+        return
+    if spec.method == "mtp" and (not cfg.has_mtp or not has_mtp_weights(model_dir)):
+        raise ConfigError(
+            f"speculative_config.method 'mtp' needs the checkpoint's MTP layer, but {model_dir} has no MTP weights "
+            "(num_nextn_predict_layers or mtp.* tensors missing)."
+        )
+    if spec.method == "draft_model" and not (Path(spec.model) / "config.json").is_file():
+        raise ConfigError(f"speculative_config.model {spec.model!r} is not a model directory (no config.json).")
 
 
 def resolve_dtype(name: str, model_dir: str) -> torch.dtype:

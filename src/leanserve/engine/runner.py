@@ -1,16 +1,22 @@
-"""One stage's model runner: turns a scheduled batch into a forward pass and sampled tokens."""
+"""One pipeline stage: its part of the model, its caches and buffers (all in its memory ledger), and the
+step that turns a StepPlan (plus the previous stage's streams) into streams or sampled tokens."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from leanserve.config import EngineConfig, ModelConfig
 from leanserve.engine.sampler import Sampler
 from leanserve.engine.scheduler import ScheduledBatch
+from leanserve.memory import PIPELINE, SPEC_MTP, MemoryLedger, StageMemory, weights_bytes
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.cache import CacheGeometry
-from leanserve.model.deepseek_v4 import DeepseekV4
+from leanserve.model.deepseek_v4 import StageLayout, build_model
+from leanserve.model.loader import load_weights
+from leanserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -20,51 +26,162 @@ class SampledToken:
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
 
 
-class ModelRunner:
-    def __init__(self, model: DeepseekV4, geometry: CacheGeometry, cache_dtype: torch.dtype, device: str = "cpu"):
-        self.model, self.geometry, self.device = model, geometry, device
-        # Allocated once for max_num_seqs slots; sequences index them by slot.
-        self.caches = model.allocate_cache(geometry, cache_dtype, device)
-        self.sampler = Sampler()
+@dataclass(frozen=True)
+class IntermediateStreams:
+    """What a non-last stage hands the next: the residual streams [tokens, hc_mult, hidden], model dtype."""
+
+    streams: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    seq_id: int
+    params: SamplingParams
+    seed: int
+    step: int  # tokens the sequence has generated so far (the sampler's counter)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything any stage needs for one step, built once by the first stage and sent to the others.
+    Each chunk's `start` is its sequence's committed token count, so every stage learns the committed
+    counts from the plan (a rollback is a start lower than what a slot has written)."""
+
+    chunks: tuple[Chunk, ...]
+    logits_rows: tuple[int, ...]  # flat token rows whose logits are sampled, one per entry of `samples`
+    samples: tuple[SampleSpec, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @classmethod
+    def from_batch(cls, batch: ScheduledBatch, seeds: dict[int, int]) -> StepPlan:
+        chunks, rows, samples = [], [], []
+        offset = 0
+        for s in batch.seqs:
+            chunks.append(Chunk(s.slot, s.start, tuple(s.token_ids)))
+            offset += s.num_tokens
+            if s.is_sampled:
+                rows.append(offset - 1)
+                seq = s.seq
+                samples.append(SampleSpec(seq.seq_id, seq.params, seeds[seq.seq_id], len(seq.output_token_ids)))
+        return cls(tuple(chunks), tuple(rows), tuple(samples))
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What a stage reports once it is loaded."""
+
+    layout: StageLayout
+    memory: StageMemory
+    param_names: tuple[str, ...]
+
+
+class StageRunner:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        config: EngineConfig,
+        layout: StageLayout,
+        dtype: torch.dtype,
+        max_model_len: int,
+        progress: bool = True,
+        device: str | None = None,
+    ) -> None:
+        """device "meta" builds the stage's shapes without memory or weights (`leanserve memory --plan`)."""
+        self.cfg, self.layout = cfg, layout
+        self.device = device = device or config.device
+        spec = config.speculative_config
+        # The MTP layer and the trunk streams it reads exist only when the MTP drafter runs, on the last stage.
+        uses_mtp = spec is not None and spec.needs_target_hidden_states() and layout.is_last
+        self.model = build_model(cfg, max_model_len, dtype, stage=layout, with_mtp=uses_mtp, device=device)
+        if device != "meta":
+            load_weights(self.model, config.model, progress=progress)
+        self.ledger = ledger = MemoryLedger(layout.index, device)
+        self.model.register_tables(ledger)
+        num_spec = spec.num_speculative_tokens if spec is not None else 0
+        self.geometry = CacheGeometry.build(cfg, config.max_num_seqs, max_model_len, num_spec)
+        self.caches = self.model.allocate_cache(self.geometry, dtype, ledger)
+        tokens = config.max_num_batched_tokens
+        # Stable address (CUDA-graph safe); the forward copies the pre-hc_head streams into it each step.
+        self.target_hidden = (
+            ledger.empty("target_hidden_states", "model", SPEC_MTP, (tokens, cfg.hc_dim), dtype) if uses_mtp else None
+        )
+        # A non-first stage receives the previous stage's streams here, at a stable address.
+        self.recv_streams = (
+            None
+            if layout.is_first
+            else ledger.empty("pp_recv_streams", "pipeline", PIPELINE, (tokens, cfg.hc_mult, cfg.hidden_size), dtype)
+        )
+        self.sampler = Sampler() if layout.is_last else None
+        self.memory = ledger.memory
+        self.memory.weights_bytes = weights_bytes(self.model)
+        self._written = np.zeros(config.max_num_seqs, dtype=np.int64)  # positions each slot holds
+
+    def info(self) -> StageInfo:
+        return StageInfo(self.layout, self.memory, tuple(n for n, _ in self.model.named_parameters()))
 
     @torch.inference_mode()
     def warmup(self) -> None:
         """One throw-away forward, so first-call costs (kernel compilation, allocator) are not billed to the
         first request. It writes position 0 of slot 0, which no sequence has committed yet."""
         fb = build_forward_batch([Chunk(0, 0, [0])], self.geometry, logits_index=[0], device=self.device)
-        self.model(fb, self.caches)
+        streams = None
+        if not self.layout.is_first:
+            streams = torch.zeros(1, self.cfg.hc_mult, self.cfg.hidden_size, dtype=self.recv_streams.dtype)
+        self.model(fb, self.caches, streams)
+
+    def streams_buffer(self, num_tokens: int) -> torch.Tensor:
+        """Where the previous stage's streams for a step of `num_tokens` tokens are received."""
+        if num_tokens > self.recv_streams.shape[0]:
+            raise RuntimeError(f"a step of {num_tokens} tokens exceeds max_num_batched_tokens")
+        return self.recv_streams[:num_tokens]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, seeds: dict[int, int]) -> dict[int, SampledToken]:
-        """Runs one step; returns the sampled token of every sequence whose last chunk was fed."""
-        chunks, rows, sampled = [], [], []
-        offset = 0
-        for s in batch.seqs:
-            chunks.append(Chunk(s.slot, s.start, s.token_ids))
-            offset += s.num_tokens
-            if s.is_sampled:
-                rows.append(offset - 1)
-                sampled.append(s.seq)
-        fb = build_forward_batch(chunks, self.geometry, logits_index=rows, device=self.device)
-        logits = self.model(fb, self.caches)
-        if not sampled:
-            return {}
+    def execute(
+        self, plan: StepPlan, received: IntermediateStreams | None = None
+    ) -> IntermediateStreams | dict[int, SampledToken]:
+        """Runs this stage's part of one step on the previous stage's streams (none on the first stage):
+        returns this stage's streams (non-last stage) or the sampled token of every sequence in
+        plan.samples (last stage)."""
+        self._check_committed(plan)
+        last = self.layout.is_last
+        logits_index = list(plan.logits_rows) if last else None
+        fb = build_forward_batch(list(plan.chunks), self.geometry, logits_index=logits_index, device=self.device)
+        streams = received.streams if received is not None else None
+        out = self.model(fb, self.caches, streams, target_hidden=self.target_hidden)
+        if not last:
+            return IntermediateStreams(out)
+        return self._sample(out, plan.samples) if plan.samples else {}
+
+    def _check_committed(self, plan: StepPlan) -> None:
+        # Every stage checks the plan against what it has written, so stages cannot drift apart silently.
+        for c in plan.chunks:
+            if c.start > self._written[c.slot]:
+                raise RuntimeError(
+                    f"stage {self.layout.index}: slot {c.slot} is asked to continue at position {c.start} "
+                    f"but holds only {self._written[c.slot]} positions"
+                )
+            self._written[c.slot] = c.start + len(c.token_ids)
+
+    def _sample(self, logits: torch.Tensor, samples: tuple[SampleSpec, ...]) -> dict[int, SampledToken]:
         out = self.sampler(
             logits,
-            [seq.params for seq in sampled],
-            torch.tensor([seeds[seq.seq_id] for seq in sampled], dtype=torch.long),
-            torch.tensor([len(seq.output_token_ids) for seq in sampled], dtype=torch.long),
+            [s.params for s in samples],
+            torch.tensor([s.seed for s in samples], dtype=torch.long),
+            torch.tensor([s.step for s in samples], dtype=torch.long),
         )
         token_ids = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         result = {}
-        for i, seq in enumerate(sampled):
-            want = seq.params.logprobs
+        for i, s in enumerate(samples):
+            want = s.params.logprobs
             if want is None:
-                result[seq.seq_id] = SampledToken(token_ids[i])
+                result[s.seq_id] = SampledToken(token_ids[i])
                 continue
             top = tuple(zip(top_ids[i][:want], top_lp[i][:want], strict=True)) if want and top_ids else ()
-            result[seq.seq_id] = SampledToken(token_ids[i], logprobs[i], top)
+            result[s.seq_id] = SampledToken(token_ids[i], logprobs[i], top)
         return result

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from leanserve.config import CSA, HCA, SLIDING, ModelConfig
+from leanserve.memory import MemoryLedger
 
 
 @dataclass(frozen=True)
@@ -67,22 +68,24 @@ def allocate_layer_cache(
     layer_type: str,
     geo: CacheGeometry,
     dtype: torch.dtype,
-    device: torch.device | str = "cpu",
+    ledger: MemoryLedger,
+    owner: str,
+    feature: str,
 ) -> LayerCache:
-    def empty(*shape: int) -> torch.Tensor:
-        return torch.zeros(geo.num_slots, *shape, dtype=dtype, device=device)
+    """Allocates one layer's caches through the ledger, each entry named `{owner}.{field}`."""
 
-    cache = LayerCache(window_kv=empty(geo.window_ring, cfg.head_dim))
+    def empty(name: str, *shape: int) -> torch.Tensor:
+        return ledger.zeros(f"{owner}.{name}", owner, feature, (geo.num_slots, *shape), dtype)
+
+    cache = LayerCache(window_kv=empty("window_kv", geo.window_ring, cfg.head_dim))
     if layer_type == SLIDING:
         return cache
     _, ring, rows = geo.compress[layer_type]
     width = 2 * cfg.head_dim if layer_type == CSA else cfg.head_dim
-    cache.comp_kv, cache.comp_gate = empty(ring, width), empty(ring, width)
-    cache.comp_rows = empty(rows, cfg.head_dim)
+    cache.comp_kv, cache.comp_gate = empty("comp_kv", ring, width), empty("comp_gate", ring, width)
+    cache.comp_rows = empty("comp_rows", rows, cfg.head_dim)
     if layer_type == CSA:
-        cache.idx_kv, cache.idx_gate = (
-            empty(ring, 2 * cfg.index_head_dim),
-            empty(ring, 2 * cfg.index_head_dim),
-        )
-        cache.idx_rows = empty(rows, cfg.index_head_dim)
+        cache.idx_kv = empty("idx_kv", ring, 2 * cfg.index_head_dim)
+        cache.idx_gate = empty("idx_gate", ring, 2 * cfg.index_head_dim)
+        cache.idx_rows = empty("idx_rows", rows, cfg.index_head_dim)
     return cache

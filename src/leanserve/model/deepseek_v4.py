@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from leanserve.config import CSA, HCA, SLIDING, ModelConfig
+from leanserve.memory import KV_CACHE, ROPE, SPEC_MTP, MemoryLedger
 from leanserve.model.attention import Rope
 from leanserve.model.batch import ForwardBatch
 from leanserve.model.block import Block
@@ -28,6 +29,7 @@ class StageLayout:
     end_layer: int
     is_first: bool = True
     is_last: bool = True
+    index: int = 0  # the stage's number, 0 = first
 
     @classmethod
     def whole(cls, cfg: ModelConfig) -> StageLayout:
@@ -41,7 +43,9 @@ class DeepseekV4(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.stage = stage = stage or StageLayout.whole(cfg)
-        if stage.is_first:
+        with_mtp = with_mtp and stage.is_last
+        # The MTP layer shares the embedding, so a last stage that runs it holds a copy of its own.
+        if stage.is_first or with_mtp:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict(
             {
@@ -55,7 +59,7 @@ class DeepseekV4(nn.Module):
             self.hc_head_base = fp32_param(cfg.hc_mult)
             self.hc_head_scale = fp32_param(1)
             self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.mtp = nn.ModuleDict({"0": MTPBlock(cfg)}) if with_mtp and stage.is_last else None
+        self.mtp = nn.ModuleDict({"0": MTPBlock(cfg)}) if with_mtp else None
         kinds = {b.layer_type for b in self.layers.values()}
         rope_dim = cfg.qk_rope_head_dim
         self.rotary_main = Rotary(cfg.main_rope, rope_dim, max_positions)
@@ -63,11 +67,30 @@ class DeepseekV4(nn.Module):
         self.rotary_compress = Rotary(cfg.compress_rope, rope_dim, max_positions) if has_compressed else None
 
     # --- construction helpers -------------------------------------------------------------------------
-    def allocate_cache(self, geo: CacheGeometry, dtype: torch.dtype, device: str = "cpu") -> dict[str, LayerCache]:
-        caches = {k: allocate_layer_cache(self.cfg, b.layer_type, geo, dtype, device) for k, b in self.layers.items()}
+    def allocate_cache(
+        self, geo: CacheGeometry, dtype: torch.dtype, ledger: MemoryLedger | None = None
+    ) -> dict[str, LayerCache]:
+        """Caches for every layer this stage holds, allocated through `ledger` (a private one if None, on
+        the model's device): the trunk's as kv_cache, the MTP layer's as the MTP drafter's."""
+        ledger = ledger or MemoryLedger(self.stage.index, self.device)
+        caches = {
+            k: allocate_layer_cache(self.cfg, b.layer_type, geo, dtype, ledger, f"layers.{k}", KV_CACHE)
+            for k, b in self.layers.items()
+        }
         if self.mtp is not None:
-            caches["mtp.0"] = allocate_layer_cache(self.cfg, self.mtp["0"].layer_type, geo, dtype, device)
+            caches["mtp.0"] = allocate_layer_cache(self.cfg, SLIDING, geo, dtype, ledger, "mtp.0", SPEC_MTP)
         return caches
+
+    def register_tables(self, ledger: MemoryLedger) -> None:
+        """Adds the derived tables (non-persistent buffers, computed rather than loaded) to the ledger."""
+        weights = set(self.state_dict())
+        for name, buf in self.named_buffers():
+            if name not in weights:
+                ledger.register(name, name.rsplit(".", 1)[0], ROPE, buf)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
 
     # --- forward --------------------------------------------------------------------------------------
     def ropes(self, fb: ForwardBatch) -> dict[str, Rope]:

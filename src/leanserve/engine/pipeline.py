@@ -1,0 +1,339 @@
+"""Pipeline parallelism: stage processes, point-to-point messages between them, and their launch.
+
+Stage 0 lives in the user's process and owns the scheduler and tokenizer. Each step it sends the StepPlan
+to every other stage, runs its own layers and sends the residual streams to stage 1; stage i receives
+streams from stage i-1 and sends its own to i+1; the last stage samples and sends the tokens back to
+stage 0. Messages go over a torch.distributed process group of the engine's own (gloo; streams over nccl
+on CUDA), built from a TCP store, so two engines in one process or on one machine never share state.
+
+Launch: on one machine the driver starts a TCP store on a free port and spawns the other stages as
+processes running this module's main(); under `torchrun` every rank runs the same program and rendezvous
+is env:// (MASTER_ADDR/MASTER_PORT), rank r being stage r.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from leanserve.config import EngineConfig, ModelConfig
+from leanserve.engine.runner import IntermediateStreams, SampledToken, StageInfo, StageRunner, StepPlan
+from leanserve.engine.topology import PipelineTopology
+
+logger = logging.getLogger("leanserve")
+
+_OBJ_TAG, _DATA_TAG = 1, 2
+# An idle server may wait a long time for its next step; the process group must not time out meanwhile.
+_OP_TIMEOUT = datetime.timedelta(days=3650)
+_START_TIMEOUT_S = 300.0  # for every stage process to start and reach the rendezvous
+_PEER_LOST = 75  # a stage's exit code when it stops because another stage went away
+
+
+class StageFailure(RuntimeError):
+    """A pipeline stage died or could not start; the engine cannot continue."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What the driver hands every other stage at start-up."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    topology: PipelineTopology
+    dtype: str
+    max_model_len: int
+    num_threads: int
+
+
+@dataclass(frozen=True)
+class StageError:
+    stage: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+def in_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
+
+
+def stage_device(device: str, stage: int) -> str:
+    """Stage r's device: the CPU, or its own GPU on CUDA (LOCAL_RANK under torchrun)."""
+    if not device.startswith("cuda") or ":" in device:
+        return device
+    local = int(os.environ.get("LOCAL_RANK", stage))
+    return f"cuda:{local % max(torch.cuda.device_count(), 1)}"
+
+
+class Channel:
+    """Point-to-point messages on a process group: pickled control objects, and stream tensors."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, device: str) -> None:
+        self.rank, self.world = rank, world
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("leanserve/gloo", store), rank, world, _OP_TIMEOUT)
+        self.data_pg = self.pg
+        if device.startswith("cuda"):  # pragma: no cover - needs GPUs
+            self.data_pg = dist.ProcessGroupNCCL(dist.PrefixStore("leanserve/nccl", store), rank, world)
+
+    def send_obj(self, obj: object, *dsts: int) -> None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        for dst in dsts:
+            self.pg.send([size], dst, _OBJ_TAG).wait()
+            self.pg.send([payload], dst, _OBJ_TAG).wait()
+
+    def recv_obj(self, src: int) -> object:
+        size = torch.empty(1, dtype=torch.int64)
+        self.pg.recv([size], src, _OBJ_TAG).wait()
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        self.pg.recv([payload], src, _OBJ_TAG).wait()
+        return pickle.loads(payload.numpy().tobytes())
+
+    def send_streams(self, out: IntermediateStreams, dst: int) -> None:
+        self.data_pg.send([_as_bytes(out.streams.contiguous())], dst, _DATA_TAG).wait()
+
+    def recv_streams(self, into: torch.Tensor, src: int) -> IntermediateStreams:
+        """Receives a step's streams into `into` (the stage's staging buffer, sized to the step)."""
+        self.data_pg.recv([_as_bytes(into)], src, _DATA_TAG).wait()
+        return IntermediateStreams(into)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    # Gloo moves bytes; viewing as uint8 lets any dtype (bf16 included) travel unchanged.
+    return t if t.is_cuda else t.view(torch.uint8)
+
+
+# --- the driver (stage 0) -----------------------------------------------------------------------------
+class PipelineDriver:
+    """Stage 0 of an N-stage pipeline, in the user's process."""
+
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        progress: bool = True,
+    ) -> None:
+        self.spec, self.topology = spec, spec.topology
+        self.num_stages = n = spec.topology.num_stages
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.dead: str | None = None
+        if in_torchrun():
+            store, rank, world = _env_rendezvous()
+            if world != n or rank != 0:
+                raise StageFailure(f"torchrun started {world} processes but pipeline_parallel_size is {n}.")
+            store.set("leanserve/launch", pickle.dumps(spec))
+        else:
+            store = dist.TCPStore(
+                "127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=_START_TIMEOUT_S),
+            )  # fmt: skip
+            store.set("leanserve/launch", pickle.dumps(spec))
+            self._spawn(store.port)
+        self._finalizer = weakref.finalize(self, _terminate, list(self.procs.values()))
+        try:
+            self._wait_for_stages(store)
+            device = stage_device(spec.config.device, 0)
+            self.channel = Channel(store, 0, n, device)
+            self.runner = StageRunner(
+                spec.model_config, spec.config, self.topology.layout(0), getattr(torch, spec.dtype),
+                spec.max_model_len, progress=progress, device=device,
+            )  # fmt: skip
+            self.runner.warmup()
+            self.infos = [self.runner.info()] + [self._expect_info(r) for r in range(1, n)]
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+        self.store = store
+
+    def _spawn(self, port: int) -> None:
+        for rank in range(1, self.num_stages):
+            # Run through -c, not -m, so this module is imported once under its own name (pickled classes match).
+            entry = "import sys; from leanserve.engine.pipeline import main; sys.exit(main())"
+            cmd = [sys.executable, "-c", entry, "--port", str(port), "--rank", str(rank)]
+            cmd += ["--world-size", str(self.num_stages), "--parent-pid", str(os.getpid())]
+            self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+    def _wait_for_stages(self, store: dist.Store) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        pending = set(range(1, self.num_stages))
+        while pending:
+            for rank in sorted(pending):
+                if store.check([f"leanserve/hello/{rank}"]):
+                    pending.discard(rank)
+                elif rank in self.procs and self.procs[rank].poll() is not None:
+                    raise StageFailure(
+                        f"pipeline stage {rank} exited during start-up ({_describe_exit(self.procs[rank].returncode)})."
+                    )
+            if pending and time.monotonic() > deadline:
+                raise StageFailure(
+                    f"pipeline stage(s) {sorted(pending)} did not start within {_START_TIMEOUT_S:.0f} s."
+                )
+            if pending:
+                time.sleep(0.01)
+
+    def _expect_info(self, rank: int) -> StageInfo:
+        msg = self._recv(rank)
+        if isinstance(msg, StageError):
+            raise StageFailure(f"pipeline stage {msg.stage} failed to start: {msg.message}")
+        assert isinstance(msg, StageInfo)
+        return msg
+
+    # --- the step -----------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> dict[int, SampledToken]:
+        if self.dead:
+            raise StageFailure(self.dead)
+        try:
+            self.channel.send_obj(plan, *range(1, self.num_stages))
+            self.channel.send_streams(self.runner.execute(plan), 1)
+        except RuntimeError as e:
+            raise self._failed(1, e) from None
+        return self._recv(self.num_stages - 1)
+
+    def _recv(self, rank: int):
+        try:
+            return self.channel.recv_obj(rank)
+        except RuntimeError as e:
+            raise self._failed(rank, e) from None
+
+    def _failed(self, peer: int, error: Exception) -> StageFailure:
+        """Names the stage that died (the first whose exit was not caused by another's), stops the rest."""
+        culprit, how = peer, f"lost contact ({error})"
+        deadline = time.monotonic() + 5.0
+        while self.procs and time.monotonic() < deadline:
+            codes = {r: p.poll() for r, p in self.procs.items()}
+            first = [r for r, c in sorted(codes.items()) if c is not None and c != _PEER_LOST]
+            if first:
+                culprit, how = first[0], _describe_exit(codes[first[0]])
+                break
+            time.sleep(0.05)
+        self.dead = f"pipeline stage {culprit} died ({how}); the engine has stopped."
+        self.shutdown(graceful=False)
+        return StageFailure(self.dead)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        if graceful and not self.dead and hasattr(self, "channel"):
+            with contextlib.suppress(RuntimeError):
+                self.channel.send_obj(Stop(), *range(1, self.num_stages))
+        _terminate(list(self.procs.values()), wait_s=10.0 if graceful else 0.0)
+        self._finalizer.detach()
+
+
+def _terminate(procs: list[subprocess.Popen], wait_s: float = 0.0) -> None:
+    """Waits up to wait_s for the stage processes to exit, then kills what is left (no orphans)."""
+    deadline = time.monotonic() + wait_s
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(deadline - time.monotonic(), 0.0))
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _env_rendezvous() -> tuple[dist.Store, int, int]:
+    store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=_START_TIMEOUT_S)))
+    return dist.PrefixStore(f"leanserve/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}", store), rank, world
+
+
+# --- the other stages ---------------------------------------------------------------------------------
+def run_stage(store: dist.Store, rank: int, world: int) -> int:
+    """Serves stage `rank` until stage 0 says stop (0) or goes away (_PEER_LOST); a failure of its own exits 1."""
+    spec: LaunchSpec = pickle.loads(store.get("leanserve/launch"))
+    torch.set_num_threads(spec.num_threads)
+    device = stage_device(spec.config.device, rank)
+    store.set(f"leanserve/hello/{rank}", str(os.getpid()))
+    channel = Channel(store, rank, world, device)
+    layout = spec.topology.layout(rank)
+    try:
+        runner = StageRunner(
+            spec.model_config, spec.config, layout, getattr(torch, spec.dtype), spec.max_model_len,
+            progress=False, device=device,
+        )  # fmt: skip
+        runner.warmup()
+    except Exception as e:
+        channel.send_obj(StageError(rank, f"{type(e).__name__}: {e}"), 0)
+        return 1
+    try:
+        channel.send_obj(runner.info(), 0)
+        while True:
+            plan = channel.recv_obj(0)
+            if isinstance(plan, Stop):
+                return 0
+            received = channel.recv_streams(runner.streams_buffer(plan.num_tokens), rank - 1)
+            out = runner.execute(plan, received)
+            if layout.is_last:
+                channel.send_obj(out, 0)
+            else:
+                channel.send_streams(out, rank + 1)
+    except RuntimeError as e:
+        if "Connection closed" in str(e) or "Socket" in str(e) or "Connection reset" in str(e):
+            print(f"leanserve: pipeline stage {rank}: another stage went away; stopping.", file=sys.stderr)
+            return _PEER_LOST
+        raise
+
+
+def serve_torchrun_stage() -> int:
+    """On a torchrun rank other than 0: serve that stage until stage 0 stops; returns the exit code."""
+    store, rank, world = _env_rendezvous()
+    return run_stage(store, rank, world)
+
+
+def torchrun_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _watch_parent(parent_pid: int) -> None:
+    # A stage spawned by the driver exits when the driver's process is gone, whatever state it is in.
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(_PEER_LOST)
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="one leanserve pipeline stage (started by the engine itself)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--parent-pid", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+    store = dist.TCPStore(
+        args.host, args.port, args.world_size, is_master=False, timeout=datetime.timedelta(seconds=_START_TIMEOUT_S)
+    )
+    try:
+        return run_stage(store, args.rank, args.world_size)
+    except Exception:
+        traceback.print_exc()
+        print(f"leanserve: pipeline stage {args.rank} failed.", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
