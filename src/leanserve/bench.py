@@ -93,14 +93,179 @@ def throughput(
     return rows
 
 
-def print_rows(rows: list[ThroughputRow], output: str) -> None:
+def print_rows(rows: list, output: str, headers: dict[str, str] | None = None) -> None:
+    """Rows of one dataclass as JSON, or as a table with `headers` (field -> column title; all fields if None)."""
+    dicts = [asdict(r) for r in rows]
     if output == "json":
-        print(json.dumps([asdict(r) for r in rows]))
+        print(json.dumps(dicts))
         return
-    print(f"{'batch':>5}  {'leanserve tok/s':>15}  {'transformers tok/s':>18}  {'speedup':>7}  {'same tokens':>11}")
-    for r in rows:
-        same = f"{r.identical_sequences}/{r.batch_size}"
-        print(
-            f"{r.batch_size:>5}  {r.leanserve_tok_s:>15.1f}  {r.transformers_tok_s:>18.1f}  "
-            f"{r.speedup:>6.2f}x  {same:>11}"
-        )
+    if not dicts:
+        return
+    headers = headers or {k: k for k in dicts[0]}
+    cells = [[_cell(d[k]) for k in headers] for d in dicts]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers.values())]
+    print("  ".join(h.rjust(w) for h, w in zip(headers.values(), widths, strict=True)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=True)))
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+THROUGHPUT_HEADERS = {
+    "batch_size": "batch",
+    "leanserve_tok_s": "leanserve tok/s",
+    "transformers_tok_s": "transformers tok/s",
+    "speedup": "speedup",
+    "identical_sequences": "same tokens",
+}
+
+
+# --- bench copy: the target-hidden copy the seed measured ----------------------------------------------
+PRO_HC_DIM = 4 * 7168  # DeepSeek-V4-Pro: hc_mult * hidden_size
+COPY_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
+
+
+@dataclass
+class CopyRow:
+    tokens: int
+    bytes: int
+    latency_us: float
+    gbps: float
+    peak_gbps: float
+
+
+def _timer(device: torch.device):
+    """fn, repeats -> median seconds per call (CUDA: timed with events after a synchronize)."""
+
+    def median_s(fn, repeats: int) -> float:
+        if device.type == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize(device)
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1000)
+            return statistics.median(times)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    return median_s
+
+
+def copy_bench(
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+    hc_dim: int = PRO_HC_DIM,
+    tokens: tuple[int, ...] = COPY_TOKENS,
+    repeats: int = 20,
+) -> list[CopyRow]:
+    """Latency of copying `tokens` rows of pre-hc_head streams [T, hc_dim] into a preallocated
+    [max(tokens), hc_dim] buffer (what the last stage does each step when the buffer exists), beside the
+    device's peak copy bandwidth (the best of a few copies of the largest size)."""
+    dev, dt = torch.device(device), getattr(torch, dtype)
+    most = max(tokens)
+    src = torch.randn(most, hc_dim, device=dev).to(dt)
+    buffer = torch.empty(most, hc_dim, device=dev, dtype=dt)
+    median_s = _timer(dev)
+    peak = max(src.numel() * src.element_size() / median_s(lambda: buffer.copy_(src), 3) for _ in range(3)) / 1e9
+    rows = []
+    for t in tokens:
+        nbytes = t * hc_dim * src.element_size()
+        reps = max(3, min(repeats * 50, int(2e9 / max(nbytes, 1))))  # many repeats for small copies
+        secs = median_s(lambda t=t: buffer[:t].copy_(src[:t]), min(reps, 2000))
+        rows.append(CopyRow(t, nbytes, round(secs * 1e6, 2), round(nbytes / secs / 1e9, 2), round(peak, 2)))
+    return rows
+
+
+COPY_HEADERS = {
+    "tokens": "tokens",
+    "bytes": "bytes",
+    "latency_us": "latency us",
+    "gbps": "GB/s",
+    "peak_gbps": "peak GB/s",
+}
+
+
+# --- bench step: one decode step with the target-hidden buffer on vs off ---------------------------------
+@dataclass
+class StepRow:
+    batch_size: int
+    off_us: float
+    on_us: float
+    copy_us: float
+    ratio: float
+    buffer_bytes: int
+
+
+def step_bench(
+    model: str, batch_sizes: list[int], max_num_batched_tokens: int = 8192, repeats: int = 50, prompt_len: int = 16
+) -> list[StepRow]:
+    """Times one decode step of the model's last stage with the target-hidden buffer present (MTP on: the
+    forward copies the pre-hc_head streams into it) and absent, alternating on the same caches."""
+    from leanserve.config import EngineConfig, ModelConfig
+    from leanserve.engine.llm_engine import resolve_dtype
+    from leanserve.engine.runner import SampleSpec, StageRunner, StepPlan
+    from leanserve.engine.topology import PipelineTopology
+    from leanserve.model.batch import Chunk
+    from leanserve.sampling_params import SamplingParams
+
+    cfg = ModelConfig.from_hf(model)
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    most = max(batch_sizes)
+    config = EngineConfig(
+        model, max_model_len=prompt_len + repeats + 8, max_num_seqs=most,
+        max_num_batched_tokens=max(max_num_batched_tokens, most * prompt_len), speculative_config=spec,
+    )  # fmt: skip
+    runner = StageRunner(
+        cfg, config, PipelineTopology.build(cfg, 1).layout(0), resolve_dtype("auto", model),
+        config.resolved_max_model_len(cfg), progress=False,
+    )  # fmt: skip
+    buffer = runner.target_hidden
+    greedy = SamplingParams(temperature=0.0)
+    rows = []
+    for batch in batch_sizes:
+        prefill = tuple(Chunk(s, 0, tuple(range(3, 3 + prompt_len))) for s in range(batch))
+        runner.execute(StepPlan(prefill, (), ()))
+
+        def decode(on: bool, position: int, batch: int = batch) -> float:
+            runner.target_hidden = buffer if on else None
+            chunks = tuple(Chunk(s, position, (5,)) for s in range(batch))
+            plan = StepPlan(chunks, tuple(range(batch)), tuple(SampleSpec(s, greedy, 0, 0) for s in range(batch)))
+            start = time.perf_counter()
+            runner.execute(plan)
+            return time.perf_counter() - start
+
+        decode(True, prompt_len), decode(False, prompt_len)  # warm-up
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(repeats):
+            # Both arms decode at the same position (the second rewrites the first's: a rollback by one), so
+            # they do identical work apart from the copy; which goes first alternates.
+            for on in (True, False) if r % 2 else (False, True):
+                times[on].append(decode(on, prompt_len + r))
+        off, on = statistics.median(times[False]) * 1e6, statistics.median(times[True]) * 1e6
+        # The copy's cost: the median of the per-position differences, robust to drift over the run.
+        diff = statistics.median(a - b for a, b in zip(times[True], times[False], strict=True)) * 1e6
+        rows.append(StepRow(batch, round(off, 1), round(on, 1), round(diff, 1), round(on / off, 3), buffer.nbytes))
+    runner.target_hidden = buffer
+    return rows
+
+
+STEP_HEADERS = {
+    "batch_size": "batch",
+    "off_us": "buffer off us",
+    "on_us": "buffer on us",
+    "copy_us": "paired diff us",
+    "ratio": "on/off",
+    "buffer_bytes": "buffer bytes",
+}

@@ -1,11 +1,14 @@
-"""The `leanserve` command: generate | make-random | bench."""
+"""The `leanserve` command: generate | memory | make-random | bench."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
+
+from leanserve.engine.pipeline import StageFailure
 
 
 def _int_list(text: str) -> list[int]:
@@ -13,6 +16,23 @@ def _int_list(text: str) -> list[int]:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-pp", "--pipeline-parallel-size", type=int, default=1, help="pipeline stages (processes); default 1"
+    )
+    p.add_argument(
+        "--pipeline-layer-counts",
+        type=_int_list,
+        default=None,
+        help="layers per stage, e.g. 3,2,2 (default: even split)",
+    )
+    p.add_argument(
+        "--speculative-config", default=None, help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\''
+    )
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +51,24 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--output", default="text", choices=["text", "json"])
+    _add_engine_options(p)
+
+
+def _add_memory(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("memory", help="the memory ledger per pipeline stage: weights and every persistent buffer")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model directory: starts the engine and reports what it allocated")
+    src.add_argument(
+        "--config",
+        help="with --plan: deepseek-v4-flash, deepseek-v4-pro (shipped), or a config.json path / model directory",
+    )
+    p.add_argument(
+        "--plan", action="store_true", help="compute the ledger on the meta device: no weights, nothing allocated"
+    )
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--output", default="table", choices=["table", "json"])
+    _add_engine_options(p)
 
 
 def _add_make_random(sub: argparse._SubParsersAction) -> None:
@@ -54,19 +92,83 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--repeats", type=int, default=3)
     t.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     t.add_argument("--output", default="table", choices=["table", "json"])
+    c = kinds.add_parser("copy", help="latency of the target-hidden copy per step, at DeepSeek-V4-Pro width")
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    c.add_argument("--hc-dim", type=int, default=4 * 7168, help="hc_mult * hidden_size (default: V4-Pro's 28672)")
+    c.add_argument("--tokens", type=_int_list, default=[1, 8, 32, 128, 512, 2048, 8192])
+    c.add_argument("--repeats", type=int, default=20)
+    c.add_argument("--output", default="table", choices=["table", "json"])
+    s = kinds.add_parser("step", help="one decode step with the target-hidden buffer on vs off, side by side")
+    s.add_argument("--model", required=True, help="a model directory with MTP weights")
+    s.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32])
+    s.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    s.add_argument("--repeats", type=int, default=50)
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--output", default="table", choices=["table", "json"])
 
 
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from leanserve.bench import print_rows, throughput
+    from leanserve import bench
 
-    if args.threads:
+    if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    if min(args.batch_sizes, default=0) < 1 or args.max_tokens < 1 or args.prompt_len < 1 or args.repeats < 1:
-        raise ValueError("batch sizes, --prompt-len, --max-tokens and --repeats must be positive.")
-    rows = throughput(args.model, args.batch_sizes, args.prompt_len, args.max_tokens, args.dtype, args.repeats)
-    print_rows(rows, args.output)
+    sizes = getattr(args, "batch_sizes", None) or getattr(args, "tokens", None) or []
+    if min(sizes, default=0) < 1 or args.repeats < 1:
+        raise ValueError("batch sizes / token counts and --repeats must be positive.")
+    if args.bench == "throughput":
+        if args.max_tokens < 1 or args.prompt_len < 1:
+            raise ValueError("--prompt-len and --max-tokens must be positive.")
+        rows = bench.throughput(
+            args.model, args.batch_sizes, args.prompt_len, args.max_tokens, args.dtype, args.repeats
+        )
+        bench.print_rows(rows, args.output, bench.THROUGHPUT_HEADERS)
+    elif args.bench == "copy":
+        if args.hc_dim < 1:
+            raise ValueError("--hc-dim must be positive.")
+        rows = bench.copy_bench(args.device, args.dtype, args.hc_dim, tuple(args.tokens), args.repeats)
+        bench.print_rows(rows, args.output, bench.COPY_HEADERS)
+    else:
+        rows = bench.step_bench(args.model, args.batch_sizes, args.max_num_batched_tokens, args.repeats)
+        bench.print_rows(rows, args.output, bench.STEP_HEADERS)
+    return 0
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = {
+        "pipeline_parallel_size": args.pipeline_parallel_size,
+        "pipeline_layer_counts": args.pipeline_layer_counts,
+        "speculative_config": args.speculative_config,
+        "max_model_len": args.max_model_len,
+    }
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    return kwargs
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from leanserve.memory import format_table
+
+    if args.plan:
+        from leanserve.plan import plan_memory
+
+        source = args.config or args.model
+        kwargs = _engine_kwargs(args)
+        stages = plan_memory(source, dtype=args.dtype or "bfloat16", **kwargs)
+    else:
+        if args.config:
+            raise ValueError("--config needs --plan (a config alone has no weights to load); use --model DIR.")
+        from leanserve import LLM
+
+        with LLM(model=args.model, dtype=args.dtype or "auto", load_progress=False, **_engine_kwargs(args)) as llm:
+            stages = llm.memory_ledger()
+    if args.output == "json":
+        print(json.dumps({"stages": [s.to_dict() for s in stages]}))
+    else:
+        print(format_table(stages))
     return 0
 
 
@@ -82,9 +184,12 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
     )
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1)
+    kwargs = _engine_kwargs(args)
+    kwargs.setdefault("max_num_seqs", 1)
+    llm = LLM(model=args.model, dtype=args.dtype, **kwargs)
     prompt = args.prompt if args.prompt is not None else {"prompt_token_ids": args.prompt_token_ids}
-    out = llm.generate(prompt, params)[0]
+    with llm:
+        out = llm.generate(prompt, params)[0]
     completion, m = out.outputs[0], out.metrics
     num_out = len(completion.token_ids)
     decode_s = (m.finished_time or 0) - (m.first_token_time or 0)
@@ -128,16 +233,24 @@ def _make_random(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="leanserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="engine log level"
+    )
     _add_generate(sub)
+    _add_memory(sub)
     _add_make_random(sub)
     _add_bench(sub)
     args = parser.parse_args(argv)
-    handlers = {"generate": _generate, "make-random": _make_random, "bench": _bench}
+    logging.basicConfig(format="leanserve: %(message)s", level=args.log_level.upper())
+    handlers = {"generate": _generate, "memory": _memory, "make-random": _make_random, "bench": _bench}
     try:
         return handlers[args.command](args)
     except ValueError as e:  # user errors: config, checkpoint, prompt, sampling parameters
         print(f"leanserve: error: {e}", file=sys.stderr)
         return 2
+    except StageFailure as e:
+        print(f"leanserve: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,59 @@
+"""`leanserve memory --plan`: the memory ledger at real scale without weights or allocation.
+
+Each stage is built exactly as the engine builds it, on the meta device, so the plan is the engine's own
+ledger (same code, same buffers), not a separate estimate. Weight bytes are at the planned dtype; real
+DeepSeek-V4 checkpoints store most linears in fp8 and experts in fp4, so their files are smaller.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from leanserve.config import ConfigError, EngineConfig, ModelConfig
+from leanserve.engine.runner import StageRunner
+from leanserve.engine.topology import PipelineTopology
+from leanserve.memory import StageMemory
+
+SHIPPED_CONFIGS = ("deepseek-v4-flash", "deepseek-v4-pro")
+
+
+def load_config(source: str) -> ModelConfig:
+    """A shipped config's name, a config.json path, or a model directory."""
+    if source in SHIPPED_CONFIGS:
+        text = (resources.files("leanserve") / "configs" / f"{source}.json").read_text()
+        return ModelConfig.from_dict(json.loads(text), source=source)
+    path = Path(source)
+    if path.is_dir():
+        return ModelConfig.from_hf(path)
+    if not path.is_file():
+        raise ConfigError(f"{source!r} is neither a shipped config ({', '.join(SHIPPED_CONFIGS)}) nor a file.")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}.") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object.")
+    return ModelConfig.from_dict(raw, source=str(path))
+
+
+def plan_memory(source: str, dtype: str = "bfloat16", **engine_kwargs) -> list[StageMemory]:
+    """The per-stage ledger for `source` under the engine options in engine_kwargs (EngineConfig's fields:
+    pipeline_parallel_size, pipeline_layer_counts, speculative_config, max_model_len, max_num_seqs,
+    max_num_batched_tokens)."""
+    cfg = load_config(source)
+    engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
+    config = EngineConfig(model=source, dtype=dtype, **engine_kwargs)
+    topology = PipelineTopology.build(cfg, config.pipeline_parallel_size, config.pipeline_layer_counts)
+    spec = config.speculative_config
+    if spec is not None and spec.method == "mtp" and not cfg.has_mtp:
+        raise ConfigError(f"speculative_config.method 'mtp' needs an MTP layer, but {source} has none.")
+    torch_dtype = getattr(torch, cfg.torch_dtype if dtype == "auto" else dtype)
+    max_len = config.resolved_max_model_len(cfg)
+    return [
+        StageRunner(cfg, config, topology.layout(i), torch_dtype, max_len, device="meta").memory
+        for i in range(topology.num_stages)
+    ]
