@@ -113,6 +113,11 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"No config.json in {model_dir}; a model directory needs a HuggingFace config.")
+        return cls.from_json_file(path)
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
         try:
             raw = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

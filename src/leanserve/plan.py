@@ -31,13 +31,7 @@ def load_config(source: str) -> ModelConfig:
         return ModelConfig.from_hf(path)
     if not path.is_file():
         raise ConfigError(f"{source!r} is neither a shipped config ({', '.join(SHIPPED_CONFIGS)}) nor a file.")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}.") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a JSON object.")
-    return ModelConfig.from_dict(raw, source=str(path))
+    return ModelConfig.from_json_file(path)
 
 
 def plan_memory(source: str, dtype: str = "bfloat16", **engine_kwargs) -> list[StageMemory]:
