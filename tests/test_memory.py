@@ -106,7 +106,7 @@ def test_the_forward_fills_target_hidden_with_the_pre_head_streams(tiny_ckpt, id
 
 def test_generation_is_the_same_with_the_buffer_on(tiny_ckpt, ids_of):
     prompt = {"prompt_token_ids": ids_of(30, seed=4)}
-    params = SamplingParams(max_tokens=10, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2)
     kwargs = dict(max_model_len=128, max_num_seqs=2, load_progress=False)
     with LLM(str(tiny_ckpt), **kwargs) as llm:
         want = llm.generate(prompt, params)[0].outputs[0]

@@ -18,7 +18,7 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 4, **kw) -> Sequenc
 def step(sched: Scheduler, token: int = 7) -> tuple[ScheduledBatch, list[Sequence]]:
     batch = sched.schedule()
     assert batch is not None
-    sampled = {s.seq.seq_id: token for s in batch.seqs if s.is_sampled}
+    sampled = {s.seq.seq_id: [token] for s in batch.seqs if s.is_sampled}
     return batch, sched.update(batch, sampled)
 
 
@@ -152,7 +152,7 @@ def test_random_workload_respects_limits_and_every_request_completes(seed):
             assert len(fed[s.seq.seq_id]) == s.start  # contiguous positions, nothing fed twice
             fed[s.seq.seq_id].extend(s.token_ids)
             if s.is_sampled:
-                sampled[s.seq.seq_id] = EOS if rng.random() < 0.05 else rng.randint(10, 99)
+                sampled[s.seq.seq_id] = [EOS if rng.random() < 0.05 else rng.randint(10, 99)]
         for seq in sched.update(batch, sampled):
             assert seq.seq_id not in done
             done.add(seq.seq_id)
@@ -211,7 +211,7 @@ def test_finish_reasons(params, tokens, reason, n_out):
     steps = 0
     for tok in tokens:
         steps += 1
-        finished = sched.update(sched.schedule(), {0: tok})
+        finished = sched.update(sched.schedule(), {0: [tok]})
         if finished:
             break
     assert finished == [seq]
@@ -243,7 +243,7 @@ def test_abort_waiting_and_between_schedule_and_update():
     assert sched.abort(2) is c and sched.num_waiting == 2 and c.finish_reason == "abort"
     batch = sched.schedule()
     sched.abort(0)  # e.g. client disconnects while the model runs
-    assert sched.update(batch, {0: 5, 1: 5}) == []
+    assert sched.update(batch, {0: [5], 1: [5]}) == []
     assert a.output_token_ids == [] and b.output_token_ids == [5]
     assert sched.num_running == 1 and sched.slots.num_free == 1
 

@@ -231,6 +231,7 @@ def step_bench(
         cfg, config, PipelineTopology.build(cfg, 1).layout(0), resolve_dtype("auto", model),
         config.resolved_max_model_len(cfg), progress=False,
     )  # fmt: skip
+    runner.proposer = None  # time the trunk step alone: the two arms differ only by the copy
     buffer = runner.target_hidden
     greedy = SamplingParams(temperature=0.0)
     rows = []

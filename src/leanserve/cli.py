@@ -190,6 +190,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else {"prompt_token_ids": args.prompt_token_ids}
     with llm:
         out = llm.generate(prompt, params)[0]
+        spec = llm.spec_decode_metrics() if llm.engine.config.speculative_config is not None else None
     completion, m = out.outputs[0], out.metrics
     num_out = len(completion.token_ids)
     decode_s = (m.finished_time or 0) - (m.first_token_time or 0)
@@ -208,6 +209,8 @@ def _generate(args: argparse.Namespace) -> int:
         }
         if completion.logprobs is not None:
             result["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in completion.logprobs]
+        if spec is not None:
+            result["spec_decode"] = spec
         print(json.dumps(result))
     else:
         print((out.prompt or "") + completion.text if llm.get_tokenizer() else completion.token_ids)
@@ -216,6 +219,14 @@ def _generate(args: argparse.Namespace) -> int:
             f"prefill {timing['prefill_ms']} ms, decode {timing['decode_tokens_per_s']} tokens/s]",
             file=sys.stderr,
         )
+        if spec is not None:
+            per_position = ", ".join(str(n) for n in spec["accepted_per_position"])
+            print(
+                f"[speculative decoding: {spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft tokens "
+                f"accepted ({100 * spec['acceptance_rate']:.1f}%) in {spec['num_drafts']} drafts; mean acceptance "
+                f"length {spec['mean_acceptance_length']:.2f}; accepted per position: {per_position}]",
+                file=sys.stderr,
+            )
     return 0
 
 

@@ -53,6 +53,11 @@ class LLM:
         shape, device). `[s.to_dict() for s in llm.memory_ledger()]` is the JSON form."""
         return self.engine.memory_ledger()
 
+    def spec_decode_metrics(self) -> dict:
+        """Speculative decoding so far: num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_position,
+        acceptance_rate and mean_acceptance_length (1 + accepted tokens per draft). Zeros without speculation."""
+        return self.engine.spec_decode_metrics()
+
     def shutdown(self) -> None:
         """Stops the pipeline stage processes (if any). The LLM cannot generate afterwards."""
         self.engine.shutdown()

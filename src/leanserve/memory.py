@@ -17,7 +17,8 @@ import torch
 KV_CACHE = "kv_cache"  # attention caches of the trunk's layers
 ROPE = "rope"  # rotary tables
 PIPELINE = "pipeline_parallel"  # staging for streams received from the previous stage
-SPEC_MTP = "spec_decode:mtp"  # the MTP drafter: its layer cache and the target-hidden buffer
+SPEC_MTP = "spec_decode:mtp"  # the MTP drafter: its layer cache, the target-hidden buffer, draft probabilities
+SPEC_DRAFT = "spec_decode:draft_model"  # a draft model's caches, tables and draft probabilities
 
 
 @dataclass(frozen=True)

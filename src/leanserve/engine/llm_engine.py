@@ -12,7 +12,8 @@ import torch
 
 from leanserve.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from leanserve.engine.pipeline import LaunchSpec, PipelineDriver, in_torchrun, serve_torchrun_stage, torchrun_rank
-from leanserve.engine.runner import SampledToken, StageRunner, StepPlan
+from leanserve.engine.proposers import NgramProposer
+from leanserve.engine.runner import SampledToken, SeqOutput, StageRunner, StepPlan
 from leanserve.engine.scheduler import Scheduler
 from leanserve.engine.sequence import Sequence
 from leanserve.engine.topology import PipelineTopology
@@ -35,6 +36,38 @@ class RequestState:
     sampled: list[SampledToken] = field(default_factory=list)
 
 
+@dataclass
+class SpecDecodeMetrics:
+    """Speculative decoding counters, as vLLM reports them."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.num_speculative_tokens
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+            # tokens emitted per verification: the accepted drafts plus the token the target always adds
+            "mean_acceptance_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0,
+        }
+
+
 class LocalExecutor:
     """The whole model in this process (pipeline_parallel_size 1)."""
 
@@ -42,7 +75,7 @@ class LocalExecutor:
         self.runner = runner
         self.infos = [runner.info()]
 
-    def execute(self, plan: StepPlan) -> dict[int, SampledToken]:
+    def execute(self, plan: StepPlan) -> dict[int, SeqOutput]:
         return self.runner.execute(plan)
 
     def shutdown(self, graceful: bool = True) -> None:
@@ -83,6 +116,9 @@ class LLMEngine:
             )  # fmt: skip
         logger.debug("memory ledger:\n%s", format_table(self.memory_ledger()))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        spec = config.speculative_config
+        self.ngram = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
+        self.spec_metrics = SpecDecodeMetrics(spec.num_speculative_tokens if spec is not None else 0)
         self._rng = random.Random(config.seed)
         self._requests: dict[int, RequestState] = {}
         self._next_id = 0
@@ -139,20 +175,39 @@ class LLMEngine:
         if batch is None:
             return []
         seeds = {s.seq.seq_id: self._requests[s.seq.seq_id].seed for s in batch.seqs if s.is_sampled}
-        sampled = self.executor.execute(StepPlan.from_batch(batch, seeds))
+        outputs = self.executor.execute(StepPlan.from_batch(batch, seeds))
         now = time.perf_counter()
-        for seq_id, token in sampled.items():
+        for s in batch.seqs:
+            if s.is_sampled and s.num_drafts:
+                self.spec_metrics.record(s.num_drafts, len(outputs[s.seq.seq_id].tokens) - 1)
+        for seq_id, out in outputs.items():
             state = self._requests[seq_id]
-            state.sampled.append(token)
+            state.sampled.extend(out.tokens)
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
-        finished = self.scheduler.update(batch, {k: v.token_id for k, v in sampled.items()})
+        finished = self.scheduler.update(batch, {k: [t.token_id for t in v.tokens] for k, v in outputs.items()})
         done = []
         for seq in finished:
             state = self._requests.pop(seq.seq_id)
+            del state.sampled[len(seq.output_token_ids) :]  # tokens after a stop are not part of the output
             state.metrics.finished_time = now
             done.append(state)
+        self._set_drafts(batch, outputs)
         return done
+
+    def _set_drafts(self, batch, outputs) -> None:
+        for s in batch.seqs:
+            seq = s.seq
+            if not s.is_sampled or seq.is_finished:
+                continue
+            if self.ngram is not None:
+                limit = seq.params.max_tokens - len(seq.output_token_ids) - 1
+                seq.spec_token_ids = self.ngram.propose(seq.all_token_ids, limit)
+            else:
+                seq.spec_token_ids = outputs[seq.seq_id].drafts
+
+    def spec_decode_metrics(self) -> dict:
+        return self.spec_metrics.as_dict()
 
 
 def check_speculative(spec: SpeculativeConfig | None, cfg: ModelConfig, model_dir: str) -> None:
@@ -163,8 +218,15 @@ def check_speculative(spec: SpeculativeConfig | None, cfg: ModelConfig, model_di
             f"speculative_config.method 'mtp' needs the checkpoint's MTP layer, but {model_dir} has no MTP weights "
             "(num_nextn_predict_layers or mtp.* tensors missing)."
         )
-    if spec.method == "draft_model" and not (Path(spec.model) / "config.json").is_file():
-        raise ConfigError(f"speculative_config.model {spec.model!r} is not a model directory (no config.json).")
+    if spec.method == "draft_model":
+        if not (Path(spec.model) / "config.json").is_file():
+            raise ConfigError(f"speculative_config.model {spec.model!r} is not a model directory (no config.json).")
+        draft = ModelConfig.from_hf(spec.model)
+        if draft.vocab_size != cfg.vocab_size:
+            raise ConfigError(
+                f"The draft model's vocabulary ({draft.vocab_size} tokens, {spec.model}) differs from the target's "
+                f"({cfg.vocab_size}); a draft model must share the target's tokenizer."
+            )
 
 
 def resolve_dtype(name: str, model_dir: str) -> torch.dtype:

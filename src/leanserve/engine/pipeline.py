@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from leanserve.config import EngineConfig, ModelConfig
-from leanserve.engine.runner import IntermediateStreams, SampledToken, StageInfo, StageRunner, StepPlan
+from leanserve.engine.runner import IntermediateStreams, SeqOutput, StageInfo, StageRunner, StepPlan
 from leanserve.engine.topology import PipelineTopology
 
 logger = logging.getLogger("leanserve")
@@ -195,7 +195,7 @@ class PipelineDriver:
         return msg
 
     # --- the step -----------------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> dict[int, SampledToken]:
+    def execute(self, plan: StepPlan) -> dict[int, SeqOutput]:
         if self.dead:
             raise StageFailure(self.dead)
         try:

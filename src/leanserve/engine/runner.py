@@ -9,9 +9,10 @@ import numpy as np
 import torch
 
 from leanserve.config import EngineConfig, ModelConfig
+from leanserve.engine.proposers import DraftModelProposer, MTPProposer, ProposeItem
 from leanserve.engine.sampler import Sampler
 from leanserve.engine.scheduler import ScheduledBatch
-from leanserve.memory import PIPELINE, SPEC_MTP, MemoryLedger, StageMemory, weights_bytes
+from leanserve.memory import PIPELINE, SPEC_DRAFT, SPEC_MTP, MemoryLedger, StageMemory, weights_bytes
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.cache import CacheGeometry
 from leanserve.model.deepseek_v4 import StageLayout, build_model
@@ -39,6 +40,17 @@ class SampleSpec:
     params: SamplingParams
     seed: int
     step: int  # tokens the sequence has generated so far (the sampler's counter)
+    slot: int = 0
+    drafts: tuple[int, ...] = ()  # the draft tokens at the end of the sequence's chunk, to verify
+
+
+@dataclass(frozen=True)
+class SeqOutput:
+    """A sequence's result of one step: its accepted drafts, then one sampled token; and the drafts proposed
+    for the next step (the model proposers run on the last stage)."""
+
+    tokens: tuple[SampledToken, ...]
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,8 +60,11 @@ class StepPlan:
     counts from the plan (a rollback is a start lower than what a slot has written)."""
 
     chunks: tuple[Chunk, ...]
-    logits_rows: tuple[int, ...]  # flat token rows whose logits are sampled, one per entry of `samples`
+    logits_rows: tuple[int, ...]  # flat token rows whose logits are used: len(drafts) + 1 per sample, in order
     samples: tuple[SampleSpec, ...]
+    # Per chunk: the token right after it when that is already known (a non-final prefill chunk), else -1.
+    # The MTP layer at the chunk's last position reads it.
+    next_tokens: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -57,16 +72,22 @@ class StepPlan:
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch, seeds: dict[int, int]) -> StepPlan:
-        chunks, rows, samples = [], [], []
+        chunks, rows, samples, next_tokens = [], [], [], []
         offset = 0
         for s in batch.seqs:
             chunks.append(Chunk(s.slot, s.start, tuple(s.token_ids)))
             offset += s.num_tokens
+            seq = s.seq
             if s.is_sampled:
-                rows.append(offset - 1)
-                seq = s.seq
-                samples.append(SampleSpec(seq.seq_id, seq.params, seeds[seq.seq_id], len(seq.output_token_ids)))
-        return cls(tuple(chunks), tuple(rows), tuple(samples))
+                rows.extend(range(offset - 1 - s.num_drafts, offset))
+                drafts = tuple(s.token_ids[len(s.token_ids) - s.num_drafts :])
+                step = len(seq.output_token_ids)
+                samples.append(SampleSpec(seq.seq_id, seq.params, seeds[seq.seq_id], step, s.slot, drafts))
+                next_tokens.append(-1)
+            else:
+                end = s.start + s.num_tokens
+                next_tokens.append(seq.token_ids_between(end, end + 1)[0])
+        return cls(tuple(chunks), tuple(rows), tuple(samples), tuple(next_tokens))
 
 
 @dataclass(frozen=True)
@@ -115,8 +136,22 @@ class StageRunner:
             else ledger.empty("pp_recv_streams", "pipeline", PIPELINE, (tokens, cfg.hc_mult, cfg.hidden_size), dtype)
         )
         self.sampler = Sampler() if layout.is_last else None
+        self.proposer = None
+        if layout.is_last and spec is not None and spec.method in ("mtp", "draft_model"):
+            common = dict(k=num_spec, num_slots=config.max_num_seqs, sampler=self.sampler, ledger=ledger)
+            if spec.method == "mtp":
+                self.proposer = MTPProposer(
+                    self.model, self.geometry, self.caches, self.target_hidden, vocab=cfg.vocab_size,
+                    feature=SPEC_MTP, **common,
+                )  # fmt: skip
+            else:
+                self.proposer = DraftModelProposer.load(
+                    spec, config.max_num_seqs, max_model_len, dtype, device, ledger, SPEC_DRAFT, self.sampler
+                )
         self.memory = ledger.memory
         self.memory.weights_bytes = weights_bytes(self.model)
+        if isinstance(self.proposer, DraftModelProposer):  # the draft model's weights are weights too
+            self.memory.weights_bytes += weights_bytes(self.proposer.model)
         self._written = np.zeros(config.max_num_seqs, dtype=np.int64)  # positions each slot holds
 
     def info(self) -> StageInfo:
@@ -141,7 +176,7 @@ class StageRunner:
     @torch.inference_mode()
     def execute(
         self, plan: StepPlan, received: IntermediateStreams | None = None
-    ) -> IntermediateStreams | dict[int, SampledToken]:
+    ) -> IntermediateStreams | dict[int, SeqOutput]:
         """Runs this stage's part of one step on the previous stage's streams (none on the first stage):
         returns this stage's streams (non-last stage) or the sampled token of every sequence in
         plan.samples (last stage)."""
@@ -153,7 +188,9 @@ class StageRunner:
         out = self.model(fb, self.caches, streams, target_hidden=self.target_hidden)
         if not last:
             return IntermediateStreams(out)
-        return self._sample(out, plan.samples) if plan.samples else {}
+        tokens = self._verify(out, plan.samples) if plan.samples else {}
+        drafts = self._propose(plan, tokens) if self.proposer is not None else {}
+        return {seq_id: SeqOutput(t, drafts.get(seq_id, ())) for seq_id, t in tokens.items()}
 
     def _check_committed(self, plan: StepPlan) -> None:
         # Every stage checks the plan against what it has written, so stages cannot drift apart silently.
@@ -165,23 +202,68 @@ class StageRunner:
                 )
             self._written[c.slot] = c.start + len(c.token_ids)
 
-    def _sample(self, logits: torch.Tensor, samples: tuple[SampleSpec, ...]) -> dict[int, SampledToken]:
-        out = self.sampler(
-            logits,
-            [s.params for s in samples],
-            torch.tensor([s.seed for s in samples], dtype=torch.long),
-            torch.tensor([s.step for s in samples], dtype=torch.long),
-        )
-        token_ids = out.token_ids.tolist()
+    def _verify(self, logits: torch.Tensor, samples: tuple[SampleSpec, ...]) -> dict[int, tuple[SampledToken, ...]]:
+        """Per sequence: its accepted drafts and one sampled token (just the sampled token without drafts)."""
+        params, seeds, steps, drafts, slots, cols = [], [], [], [], [], []
+        for s in samples:
+            for j in range(len(s.drafts) + 1):
+                params.append(s.params)
+                seeds.append(s.seed)
+                steps.append(s.step + j)
+                drafts.append(s.drafts[j] if j < len(s.drafts) else -1)
+                slots.append(s.slot)
+                cols.append(min(j, self.proposer.k - 1) if self.proposer is not None else 0)
+        seeds_t, steps_t = torch.tensor(seeds, dtype=torch.long), torch.tensor(steps, dtype=torch.long)
+        if len(params) == len(samples):  # no drafts: plain sampling
+            final, _ = self.sampler.sample(logits, params, seeds_t, steps_t)
+            accepted = [False] * len(params)
+        else:
+            drafts_t = torch.tensor(drafts, dtype=torch.long)
+            q = None
+            if self.proposer is not None:  # the drafts were sampled from q; ngram drafts are point masses
+                q = self.proposer.draft_probs[torch.tensor(slots), torch.tensor(cols)]
+            accepted_t, emit = self.sampler.verify(logits, params, seeds_t, steps_t, drafts_t, q)
+            final = torch.where(accepted_t, drafts_t, emit)
+            accepted = accepted_t.tolist()
+        out = self.sampler.with_logprobs(logits, final, params)
+        token_ids = final.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        result = {}
-        for i, s in enumerate(samples):
-            want = s.params.logprobs
-            if want is None:
-                result[s.seq_id] = SampledToken(token_ids[i])
-                continue
-            top = tuple(zip(top_ids[i][:want], top_lp[i][:want], strict=True)) if want and top_ids else ()
-            result[s.seq_id] = SampledToken(token_ids[i], logprobs[i], top)
+        result, row = {}, 0
+        for s in samples:
+            emitted = []
+            for j in range(len(s.drafts) + 1):
+                r = row + j
+                want = s.params.logprobs
+                if want is None:
+                    emitted.append(SampledToken(token_ids[r]))
+                else:
+                    top = tuple(zip(top_ids[r][:want], top_lp[r][:want], strict=True)) if want and top_ids else ()
+                    emitted.append(SampledToken(token_ids[r], logprobs[r], top))
+                if not accepted[r]:  # the first row not accepted emits its own token and ends the sequence's run
+                    break
+            result[s.seq_id] = tuple(emitted)
+            row += len(s.drafts) + 1
         return result
+
+    def _propose(self, plan: StepPlan, tokens: dict[int, tuple[SampledToken, ...]]) -> dict[int, tuple[int, ...]]:
+        k = self.proposer.k
+        samples = iter(plan.samples)
+        items, row, seeds = [], 0, {}
+        for chunk, next_token in zip(plan.chunks, plan.next_tokens, strict=True):
+            fed = tuple(chunk.token_ids)
+            if next_token >= 0:  # a non-final prefill chunk: its positions are final, the next token is known
+                items.append(ProposeItem(chunk.slot, chunk.start, fed + (next_token,), row))
+            else:
+                s = next(samples)
+                emitted = tokens[s.seq_id]
+                valid = len(fed) - len(s.drafts) + len(emitted) - 1  # the fed tokens now committed
+                known = fed[:valid] + (emitted[-1].token_id,)
+                step = s.step + len(emitted)  # output index of the first draft
+                # Propose only what the request can still use (one token always comes with the drafts).
+                limit = max(0, min(k, s.params.max_tokens - step - 1))
+                items.append(ProposeItem(chunk.slot, chunk.start, known, row, s.seq_id, s.params, step, limit))
+                seeds[s.seq_id] = s.seed
+            row += len(fed)
+        return self.proposer.propose(items, seeds)

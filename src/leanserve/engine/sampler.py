@@ -41,14 +41,33 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-def _exponentials(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    # seeds, steps: [R] int64 -> [R, V] float32 i.i.d. Exp(1), a pure function of (seed, step, vocab index).
-    key = _mix64(_mix64(seeds + _GOLDEN) + steps * _GOLDEN)  # [R]; the inner mix decorrelates seed from step
+# Independent random streams per (seed, output index). Stream 0 samples the target's token (the only one
+# used without speculation); the others serve speculative decoding.
+STREAM_TARGET, STREAM_RESIDUAL, STREAM_ACCEPT, STREAM_DRAFT = 0, 1, 2, 3
+_STREAM_SHIFT = 1 << 40  # output indices stay far below this
+
+
+def _key(seeds: torch.Tensor, steps: torch.Tensor, stream: int) -> torch.Tensor:
+    # [R] int64 key of (seed, step, stream); the inner mix decorrelates seed from step.
+    return _mix64(_mix64(seeds + _GOLDEN) + (steps + stream * _STREAM_SHIFT) * _GOLDEN)
+
+
+def _unit(bits: torch.Tensor) -> torch.Tensor:
+    # Top 53 bits -> u = (m + 0.5) / 2**53, exact in float64 and strictly inside (0, 1).
+    return (_shr(bits, 11).to(torch.float64) + 0.5) * (2.0**-53)
+
+
+def _exponentials(seeds: torch.Tensor, steps: torch.Tensor, vocab: int, stream: int = STREAM_TARGET) -> torch.Tensor:
+    # seeds, steps: [R] int64 -> [R, V] float32 i.i.d. Exp(1), a pure function of (seed, step, stream, index).
+    key = _key(seeds, steps, stream)
     idx = torch.arange(1, vocab + 1, dtype=torch.int64, device=seeds.device)
     bits = _mix64(key[:, None] + idx[None, :] * _GOLDEN)  # [R, V]: splitmix64 stream of that key
-    # Top 53 bits -> u = (m + 0.5) / 2**53, exact in float64 and strictly inside (0, 1), so E is finite and > 0.
-    u = (_shr(bits, 11).to(torch.float64) + 0.5) * (2.0**-53)
-    return (-torch.log(u)).to(torch.float32)
+    return (-torch.log(_unit(bits))).to(torch.float32)  # u in (0, 1), so E is finite and > 0
+
+
+def _uniforms(seeds: torch.Tensor, steps: torch.Tensor, stream: int) -> torch.Tensor:
+    # [R] float64 uniform in (0, 1), a pure function of (seed, step, stream).
+    return _unit(_mix64(_key(seeds, steps, stream) + _GOLDEN))
 
 
 def _drop_mask(scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor | None:
@@ -86,6 +105,31 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [B, K] float32, sorted descending along K
 
 
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.is_greedy or p.temperature < _MIN_TEMPERATURE
+
+
+def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[R, V] float32 logits -> the distribution each row samples from: temperature, top-k and top-p applied;
+    a greedy row is one-hot on its argmax (so speculative rejection sampling treats both alike)."""
+    probs = torch.zeros_like(logits)
+    greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
+    sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
+    if greedy:
+        g = torch.tensor(greedy, dtype=torch.long, device=logits.device)
+        probs[g, logits[g].argmax(dim=-1)] = 1.0
+    if sampled:
+        r = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+        sub = [params[i] for i in sampled]
+        temp = torch.tensor([p.temperature for p in sub], dtype=torch.float32, device=logits.device)
+        scaled = logits[r] / temp[:, None]
+        drop = _drop_mask(scaled, [p.top_k for p in sub], [p.top_p for p in sub])
+        if drop is not None:
+            scaled = scaled.masked_fill(drop, float("-inf"))
+        probs[r] = torch.softmax(scaled, dim=-1)  # dropped tokens get exactly 0 and can never win
+    return probs
+
+
 class Sampler:
     def __call__(
         self,
@@ -97,47 +141,94 @@ class Sampler:
         # logits: [B, V]; seeds, steps: [B] int64 (steps = index of the output token being generated).
         if logits.dim() != 2 or len(params) != logits.shape[0]:
             raise ValueError(f"logits must be [B, V] with B == len(params), got {tuple(logits.shape)}.")
-        b, v = logits.shape
+        b = logits.shape[0]
         if seeds.shape != (b,) or steps.shape != (b,):
             raise ValueError(f"seeds and steps must be [{b}], got {tuple(seeds.shape)}, {tuple(steps.shape)}.")
-        dev = logits.device
         logits = logits.float()
+        tokens, _ = self.sample(logits, params, seeds, steps)
+        return self.with_logprobs(logits, tokens, params)
 
-        # argmax of raw logits for every row (cheap); sampled rows are overwritten below.
-        tokens = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not (p.is_greedy or p.temperature < _MIN_TEMPERATURE)]
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        seeds: torch.Tensor,
+        steps: torch.Tensor,
+        stream: int = STREAM_TARGET,
+        want_probs: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, V] float32 -> ([B] token ids, the [B, V] distributions sampled from if want_probs). Greedy rows
+        take the argmax; the others race exponentials of their (seed, step, stream)."""
+        dev = logits.device
+        tokens = logits.argmax(dim=-1)  # every row (cheap); sampled rows are overwritten below
+        rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
+        if not rows and not want_probs:
+            return tokens, None
+        if want_probs:
+            probs = processed_probs(logits, params)
+        elif rows:
+            probs = None
         if rows:
-            sub = params if len(rows) == b else [params[i] for i in rows]
             ridx = torch.tensor(rows, dtype=torch.long, device=dev)
-            sampled = self._sample(
-                logits if len(rows) == b else logits.index_select(0, ridx),
-                sub,
-                seeds.to(dev, torch.int64).index_select(0, ridx),
-                steps.to(dev, torch.int64).index_select(0, ridx),
+            sub_probs = probs[ridx] if probs is not None else processed_probs(logits[ridx], [params[i] for i in rows])
+            race = sub_probs / _exponentials(
+                seeds.to(dev, torch.int64)[ridx], steps.to(dev, torch.int64)[ridx], logits.shape[1], stream
             )
-            tokens = tokens.index_copy(0, ridx, sampled)
+            tokens = tokens.index_copy(0, ridx, race.argmax(dim=-1))
+        return tokens, probs
 
+    def verify(
+        self,
+        logits: torch.Tensor,  # [R, V] float32: the target's logits at every verified row
+        params: Sequence[SamplingParams],  # per row
+        seeds: torch.Tensor,  # [R]
+        steps: torch.Tensor,  # [R]: output index each row predicts
+        drafts: torch.Tensor,  # [R] int64: the draft token proposed for the row's index, -1 for a bonus row
+        draft_probs: torch.Tensor | None,  # [R, V]: the distribution each draft was sampled from; None = point mass
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative verification, row by row: ([R] bool accepted, [R] int64 token to emit if the row is the
+        first not accepted). A draft d is accepted with probability min(1, p(d) / q(d)); a rejected row emits
+        a sample of normalised max(p - q, 0), a bonus row a sample of p. With greedy requests p is one-hot, so
+        this is 'accept iff d is the argmax'. The caller emits, per sequence, its leading accepted drafts and
+        then the emit token of the first row not accepted; the output is distributed exactly as the target."""
+        dev = logits.device
+        if all(_is_greedy(p) for p in params):  # accept iff the draft is the argmax, else emit the argmax
+            target = logits.argmax(dim=-1)
+            return (drafts >= 0) & (drafts == target), target
+        seeds, steps = seeds.to(dev, torch.int64), steps.to(dev, torch.int64)
+        p = processed_probs(logits, params)
+        has_draft = drafts >= 0
+        d = drafts.clamp(min=0)
+        rows = torch.arange(logits.shape[0], device=dev)
+        if draft_probs is None:
+            q = torch.zeros_like(p)
+            q[rows, d] = has_draft.to(p.dtype)
+        else:
+            q = draft_probs.float() * has_draft[:, None]
+        p_d, q_d = p[rows, d], q[rows, d]
+        u = _uniforms(seeds, steps, STREAM_ACCEPT)
+        accepted = has_draft & (u * q_d.double() < p_d.double())  # u < p/q without dividing by q = 0
+        residual = (p - q).clamp(min=0)
+        empty = residual.sum(dim=-1) <= 0  # p == q exactly: any rejection is impossible, keep a valid row
+        residual = torch.where((empty | ~has_draft)[:, None], p, residual)
+        # A bonus row races the target stream, exactly as without speculation; a rejected row its own stream.
+        # (Greedy rows come out as the argmax either way: a one-hot p's residual is p itself.)
+        vocab = logits.shape[1]
+        e_target = _exponentials(seeds, steps, vocab, STREAM_TARGET)
+        e_residual = _exponentials(seeds, steps, vocab, STREAM_RESIDUAL)
+        emit = (residual / torch.where(has_draft[:, None], e_residual, e_target)).argmax(dim=-1)
+        return accepted, emit
+
+    @staticmethod
+    def with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]) -> SamplerOutput:
+        """Logprobs of `tokens` (and the top-k) under log_softmax of the raw logits, as vLLM reports them."""
         want = [p.logprobs for p in params if p.logprobs is not None]
         if not want:
             return SamplerOutput(tokens, None, None, None)
-        logp = torch.log_softmax(logits, dim=-1)  # [B, V] raw model distribution, as in vLLM's default
+        logp = torch.log_softmax(logits, dim=-1)
         tok_lp = logp.gather(1, tokens[:, None]).squeeze(1)
-        k = min(max(want), v)
+        k = min(max(want), logits.shape[1])
         if k == 0:
             return SamplerOutput(tokens, tok_lp, None, None)
         top_lp, top_ids = logp.topk(k, dim=-1)  # sorted descending
         return SamplerOutput(tokens, tok_lp, top_ids, top_lp)
-
-    @staticmethod
-    def _sample(
-        logits: torch.Tensor, params: Sequence[SamplingParams], seeds: torch.Tensor, steps: torch.Tensor
-    ) -> torch.Tensor:
-        # logits: [R, V] float32 of non-greedy rows only -> [R] int64 sampled token ids.
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
-        scaled = logits / temp[:, None]
-
-        drop = _drop_mask(scaled, [p.top_k for p in params], [p.top_p for p in params])
-        if drop is not None:
-            scaled = scaled.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)  # [R, V]; dropped tokens get exactly 0 and can never win
-        return (probs / _exponentials(seeds, steps, logits.shape[1])).argmax(dim=-1)

@@ -13,10 +13,12 @@ class ScheduledSeq:
     start: int  # position of the first token fed this step (== seq.num_computed_tokens at schedule time)
     num_tokens: int  # tokens fed this step: a prefill chunk, or 1 for a decode
     slot: int
-    token_ids: tuple[int, ...]  # seq.all_token_ids[start : start + num_tokens]
+    # seq.all_token_ids[start : start + num_tokens - num_drafts], then the draft tokens to verify
+    token_ids: tuple[int, ...]
     # True when this step reaches the end of the sequence's known tokens, so the logit row of its last
     # fed token is sampled. False only for a non-final chunk of a chunked prefill.
     is_sampled: bool
+    num_drafts: int = 0  # speculative tokens at the end of token_ids (counted in num_tokens)
 
 
 @dataclass(frozen=True)
@@ -111,19 +113,24 @@ class Scheduler:
             return None
         return ScheduledBatch(seqs=tuple(out), num_tokens=self.max_num_batched_tokens - budget)
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
-        # sampled: seq_id -> token for every ScheduledSeq with is_sampled. Returns sequences finished now.
+    def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[Sequence]:
+        # sampled: seq_id -> the accepted drafts and the sampled token, for every ScheduledSeq with is_sampled.
+        # Returns the sequences finished now.
         finished: list[Sequence] = []
         for s in batch.seqs:
             seq = s.seq
             if seq.is_finished:  # aborted between schedule() and update(); its slot is already free
                 continue
             assert seq.num_computed_tokens == s.start, "update() must follow the schedule() of this batch"
-            seq.num_computed_tokens += s.num_tokens
+            seq.num_computed_tokens += s.num_tokens - s.num_drafts
+            seq.spec_token_ids = ()
             if not s.is_sampled:
                 continue
-            # A list per sequence so speculative decoding can later append several accepted tokens.
-            reason = self._append_tokens(seq, [sampled[seq.seq_id]])
+            # Accepted drafts, then one sampled token: the accepted drafts' cache entries are committed
+            # (rejected ones are left behind, to be overwritten: the cache is addressed by position).
+            tokens = sampled[seq.seq_id]
+            seq.num_computed_tokens += len(tokens) - 1
+            reason = self._append_tokens(seq, tokens)
             if reason is not None:
                 self._running.remove(seq)
                 self._finish(seq, reason)
@@ -137,17 +144,24 @@ class Scheduler:
         if n <= 0:
             return 0
         assert seq.slot is not None
+        is_sampled = start + n == seq.num_tokens
+        drafts: tuple[int, ...] = ()
+        if is_sampled and seq.spec_token_ids:
+            # As many drafts as the budget takes and the request can still use (one token always comes).
+            room = min(budget - n, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+            drafts = seq.spec_token_ids[: max(room, 0)]
         out.append(
             ScheduledSeq(
                 seq=seq,
                 start=start,
-                num_tokens=n,
+                num_tokens=n + len(drafts),
                 slot=seq.slot,
-                token_ids=tuple(seq.token_ids_between(start, start + n)),
-                is_sampled=start + n == seq.num_tokens,
+                token_ids=tuple(seq.token_ids_between(start, start + n)) + drafts,
+                is_sampled=is_sampled,
+                num_drafts=len(drafts),
             )
         )
-        return n
+        return n + len(drafts)
 
     @staticmethod
     def _append_tokens(seq: Sequence, tokens: list[int]) -> str | None:

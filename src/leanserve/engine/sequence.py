@@ -27,6 +27,8 @@ class Sequence:
     # yet committed: it is fed as the next decode token.
     num_computed_tokens: int = 0
     slot: int | None = None  # index into the per-slot cache tensors while RUNNING
+    # Draft tokens proposed for the positions after the newest token, verified by the next step.
+    spec_token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None  # "stop" | "length" | "abort" once FINISHED
 
     @property

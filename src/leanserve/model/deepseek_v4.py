@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from leanserve.config import CSA, HCA, SLIDING, ModelConfig
+from leanserve.config import SLIDING, ModelConfig
 from leanserve.memory import KV_CACHE, ROPE, SPEC_MTP, MemoryLedger
 from leanserve.model.attention import Rope
 from leanserve.model.batch import ForwardBatch
@@ -95,10 +95,10 @@ class DeepseekV4(nn.Module):
     # --- forward --------------------------------------------------------------------------------------
     def ropes(self, fb: ForwardBatch) -> dict[str, Rope]:
         ropes = {"main": self.rotary_main.table(fb.positions)}
-        if self.rotary_compress is not None:
+        if self.rotary_compress is not None and fb.compress:  # (the MTP layer's batches have no compression)
             ropes["compress"] = self.rotary_compress.table(fb.positions)
-            for kind in (CSA, HCA):
-                ropes[kind] = self.rotary_compress.table(fb.compress[kind].row_pos)
+            for kind, meta in fb.compress.items():
+                ropes[kind] = self.rotary_compress.table(meta.row_pos)
         return ropes
 
     def forward(
