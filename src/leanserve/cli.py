@@ -106,6 +106,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--repeats", type=int, default=50)
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--output", default="table", choices=["table", "json"])
+    sp = kinds.add_parser("spec", help="tokens/s without speculation vs mtp (k=1, 2) vs ngram, on held-out code")
+    sp.add_argument("--model", required=True)
+    sp.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
+    sp.add_argument("--max-tokens", type=int, default=64)
+    sp.add_argument("--prompt-len", type=int, default=48)
+    sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    sp.add_argument("--repeats", type=int, default=3)
+    sp.add_argument("--threads", type=int, default=None)
+    sp.add_argument("--output", default="table", choices=["table", "json"])
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -130,9 +139,16 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError("--hc-dim must be positive.")
         rows = bench.copy_bench(args.device, args.dtype, args.hc_dim, tuple(args.tokens), args.repeats)
         bench.print_rows(rows, args.output, bench.COPY_HEADERS)
-    else:
+    elif args.bench == "step":
         rows = bench.step_bench(args.model, args.batch_sizes, args.max_num_batched_tokens, args.repeats)
         bench.print_rows(rows, args.output, bench.STEP_HEADERS)
+    else:
+        if args.max_tokens < 1 or args.prompt_len < 1:
+            raise ValueError("--prompt-len and --max-tokens must be positive.")
+        rows = bench.spec_bench(
+            args.model, args.batch_sizes, args.max_tokens, args.prompt_len, args.repeats, args.dtype
+        )
+        bench.print_rows(rows, args.output, bench.SPEC_HEADERS)
     return 0
 
 
