@@ -123,15 +123,35 @@ def test_a_bad_split_fails_before_any_process_starts(ckpt5, kwargs, match):
 
 
 # --- PP=N equals PP=1 ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("pp, counts", [(2, None), (3, None), (2, (1, 4))], ids=["pp2-3+2", "pp3-2+2+1", "pp2-1+4"])
-def test_pipeline_gives_the_tokens_and_logprobs_of_one_stage(ckpt5, prompts, reference, pp, counts):
-    with engine(ckpt5, pipeline_parallel_size=pp, pipeline_layer_counts=counts) as llm:
-        assert [i.layout.end_layer - i.layout.first_layer for i in llm.engine.executor.infos] == list(
-            counts or PipelineTopology.build(llm.engine.model_config, pp).layer_counts
-        )
+@pytest.fixture(scope="module")
+def pipelines(ckpt5):
+    """PP=2 (3+2 layers) and PP=3 (2+2+1), started once for the tests below."""
+    engines = {2: engine(ckpt5, pipeline_parallel_size=2), 3: engine(ckpt5, pipeline_parallel_size=3)}
+    yield engines
+    for llm in engines.values():
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_pipeline_gives_the_tokens_and_logprobs_of_one_stage(pipelines, prompts, reference, pp):
+    llm = pipelines[pp]
+    assert_same(reference, run(llm, prompts))
+    # A second batch on the same engine: slots are reused, caches stay consistent across stages.
+    assert_same(reference[::-1], run(llm, prompts, order=[3, 2, 1, 0]))
+
+
+def test_two_pipelines_run_side_by_side_in_one_process(pipelines, prompts, reference):
+    # Each engine has its own store on its own free port and its own process group: no collision.
+    a, b = pipelines[2], pipelines[3]
+    assert {p.pid for p in a.engine.executor.procs.values()}.isdisjoint(p.pid for p in b.engine.executor.procs.values())
+    assert_same(reference[:2], run(a, prompts[:2]))
+    assert_same(reference[:2], run(b, prompts[:2]))
+
+
+def test_an_explicit_layer_split(ckpt5, prompts, reference):
+    with engine(ckpt5, pipeline_parallel_size=2, pipeline_layer_counts=[1, 4]) as llm:
+        assert [(i.layout.first_layer, i.layout.end_layer) for i in llm.engine.executor.infos] == [(0, 1), (1, 5)]
         assert_same(reference, run(llm, prompts))
-        # A second batch on the same engine: slots are reused, caches stay consistent across stages.
-        assert_same(reference[::-1], run(llm, prompts, order=[3, 2, 1, 0]))
 
 
 def test_pipeline_on_an_even_split(tiny_ckpt, ids_of):
@@ -142,22 +162,22 @@ def test_pipeline_on_an_even_split(tiny_ckpt, ids_of):
         assert_same(want, run(llm, prompts))
 
 
-def test_each_stage_holds_only_its_own_parameters(ckpt5):
+def test_each_stage_holds_only_its_own_parameters(ckpt5, pipelines):
     with engine(ckpt5) as whole:
         whole_names = set(whole.engine.executor.infos[0].param_names)
         whole_bytes = whole.memory_ledger()[0].weights_bytes
-    with engine(ckpt5, pipeline_parallel_size=3) as llm:
-        infos = llm.engine.executor.infos
-        layers = [{int(n.split(".")[1]) for n in i.param_names if n.startswith("layers.")} for i in infos]
-        assert layers == [{0, 1}, {2, 3}, {4}]
-        tops = [{n for n in i.param_names if not n.startswith(("layers.", "mtp."))} for i in infos]
-        assert tops[0] == {"embed.weight"}
-        assert tops[1] == set()
-        assert tops[2] == {"norm.weight", "head.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"}
-        assert not any(n.startswith("mtp.") for i in infos for n in i.param_names)  # no speculation: no MTP
-        # Together they are the whole model, each tensor on exactly one stage.
-        assert sorted(n for i in infos for n in i.param_names) == sorted(whole_names)
-        assert sum(m.weights_bytes for m in llm.memory_ledger()) == whole_bytes
+    llm = pipelines[3]
+    infos = llm.engine.executor.infos
+    layers = [{int(n.split(".")[1]) for n in i.param_names if n.startswith("layers.")} for i in infos]
+    assert layers == [{0, 1}, {2, 3}, {4}]
+    tops = [{n for n in i.param_names if not n.startswith(("layers.", "mtp."))} for i in infos]
+    assert tops[0] == {"embed.weight"}
+    assert tops[1] == set()
+    assert tops[2] == {"norm.weight", "head.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"}
+    assert not any(n.startswith("mtp.") for i in infos for n in i.param_names)  # no speculation: no MTP
+    # Together they are the whole model, each tensor on exactly one stage.
+    assert sorted(n for i in infos for n in i.param_names) == sorted(whole_names)
+    assert sum(m.weights_bytes for m in llm.memory_ledger()) == whole_bytes
 
 
 # --- failures -----------------------------------------------------------------------------------------
