@@ -1,4 +1,4 @@
-"""The `leanserve` command: generate | memory | make-random | bench."""
+"""The `leanserve` command: generate | serve | memory | make-random | bench."""
 
 from __future__ import annotations
 
@@ -52,6 +52,29 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--output", default="text", choices=["text", "json"])
     _add_engine_options(p)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="the OpenAI-compatible server (completions, chat, streaming, /metrics)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the one used is printed)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    _add_engine_options(p)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from leanserve import LLM
+    from leanserve.server import serve
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be between 0 and 65535, got {args.port}.")
+    llm = LLM(model=args.model, dtype=args.dtype, **_engine_kwargs(args))
+    serve(llm, args.host, args.port, args.served_model_name, args.api_key)
+    return 0
 
 
 def _add_memory(sub: argparse._SubParsersAction) -> None:
@@ -264,12 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="engine log level"
     )
     _add_generate(sub)
+    _add_serve(sub)
     _add_memory(sub)
     _add_make_random(sub)
     _add_bench(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(format="leanserve: %(message)s", level=args.log_level.upper())
-    handlers = {"generate": _generate, "memory": _memory, "make-random": _make_random, "bench": _bench}
+    handlers = {"generate": _generate, "serve": _serve, "memory": _memory, "make-random": _make_random, "bench": _bench}
     try:
         return handlers[args.command](args)
     except ValueError as e:  # user errors: config, checkpoint, prompt, sampling parameters

@@ -122,6 +122,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._requests: dict[int, RequestState] = {}
         self._next_id = 0
+        self.last_new_tokens: dict[int, list[SampledToken]] = {}
 
     def memory_ledger(self) -> list[StageMemory]:
         """Per stage: its weights' bytes and every persistent buffer it allocated, with the feature needing it."""
@@ -172,6 +173,7 @@ class LLMEngine:
     def step(self) -> list[RequestState]:
         """One engine step; returns the requests that finished in it."""
         batch = self.scheduler.schedule()
+        self.last_new_tokens = {}
         if batch is None:
             return []
         seeds = {s.seq.seq_id: self._requests[s.seq.seq_id].seed for s in batch.seqs if s.is_sampled}
@@ -185,7 +187,13 @@ class LLMEngine:
             state.sampled.extend(out.tokens)
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
+        before = {s.seq.seq_id: len(s.seq.output_token_ids) for s in batch.seqs if s.is_sampled}
         finished = self.scheduler.update(batch, {k: [t.token_id for t in v.tokens] for k, v in outputs.items()})
+        # What each sequence gained this step (tokens after a stop are dropped), for streaming callers.
+        self.last_new_tokens = {
+            seq_id: list(outputs[seq_id].tokens[: len(s.output_token_ids) - before[seq_id]])
+            for seq_id, s in ((s.seq.seq_id, s.seq) for s in batch.seqs if s.is_sampled)
+        }
         done = []
         for seq in finished:
             state = self._requests.pop(seq.seq_id)

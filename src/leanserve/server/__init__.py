@@ -1,0 +1,41 @@
+"""`leanserve serve`: the OpenAI-compatible server (FastAPI on uvicorn) over one engine loop."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None, api_key=None) -> None:
+    """Serves until SIGINT/SIGTERM: then stops taking requests (503), lets in-flight ones finish for a few
+    seconds, aborts the rest, stops the engine (and its pipeline stages) and releases the port."""
+    import uvicorn
+
+    from leanserve.server.app import build_app
+
+    name = served_model_name or llm.engine.config.model
+    app = build_app(llm, name, api_key)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))  # port 0: a free one, printed below
+    bound = sock.getsockname()[1]
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            app.state.leanserve["shutting_down"] = True  # new requests get 503 from now on
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises the signal after its shutdown; a clean stop exits 0 instead.
+            self._captured_signals.clear()
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                shown = f"[{host}]" if family == socket.AF_INET6 else host
+                print(f"leanserve: serving '{name}' on http://{shown}:{bound}/v1", file=sys.stderr, flush=True)
+
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, access_log=False)
+    try:
+        Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
