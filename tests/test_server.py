@@ -343,3 +343,49 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# --- in-process: shutdown 503 and the chat template -------------------------------------------------------
+def _app_client(model_dir: Path, llm_kwargs: dict | None = None):
+    from fastapi.testclient import TestClient
+
+    from leanserve.server.app import build_app
+
+    llm = LLM(
+        str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=2, load_progress=False, **(llm_kwargs or {})
+    )
+    app = build_app(llm, NAME)
+    return app, TestClient(app)
+
+
+def test_requests_after_shutdown_began_get_503():
+    app, client = _app_client(SHIPPED)
+    with client:
+        body = {"model": NAME, "prompt": "x", "max_tokens": 2}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        app.state.leanserve["shutting_down"] = True
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert client.get("/health").status_code == 503
+
+
+def test_chat_uses_the_models_chat_template(tmp_path):
+    model = tmp_path / "with-template"
+    model.mkdir()
+    for f in SHIPPED.iterdir():
+        if f.is_file():
+            (model / f.name).symlink_to(f)
+    template = "{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<<assistant>>{% endif %}"
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    _, client = _app_client(model)
+    with client:
+        messages = [{"role": "user", "content": "def f(x):"}]
+        r = client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 3})
+        assert r.status_code == 200
+        tok = LLM(str(SHIPPED), max_model_len=64, load_progress=False).get_tokenizer()
+        assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("<<user>>def f(x):\n<<assistant>>"))
+        # Without a template: the documented plain one.
+    _, plain = _app_client(SHIPPED)
+    with plain:
+        r = plain.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 3})
+        assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("user: def f(x):\nassistant:"))

@@ -129,6 +129,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--repeats", type=int, default=50)
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--output", default="table", choices=["table", "json"])
+    sv = kinds.add_parser("serve", help="a bounded loopback load generator against a real server process")
+    sv.add_argument("--model", required=True)
+    sv.add_argument("--concurrency", type=_int_list, default=[1, 8, 32])
+    sv.add_argument("--requests", type=int, default=32, help="requests per concurrency level (at least the level)")
+    sv.add_argument("--max-tokens", type=int, default=32)
+    sv.add_argument("--prompt-len", type=int, default=48)
+    sv.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    sv.add_argument("--output", default="table", choices=["table", "json"])
     sp = kinds.add_parser("spec", help="tokens/s without speculation vs mtp (k=1, 2) vs ngram, on held-out code")
     sp.add_argument("--model", required=True)
     sp.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
@@ -147,9 +155,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    sizes = getattr(args, "batch_sizes", None) or getattr(args, "tokens", None) or []
-    if min(sizes, default=0) < 1 or args.repeats < 1:
-        raise ValueError("batch sizes / token counts and --repeats must be positive.")
+    sizes = getattr(args, "batch_sizes", None) or getattr(args, "tokens", None) or getattr(args, "concurrency", None)
+    if min(sizes or [0]) < 1 or getattr(args, "repeats", 1) < 1 or getattr(args, "requests", 1) < 1:
+        raise ValueError("batch sizes / token counts / concurrency levels, --repeats and --requests must be positive.")
     if args.bench == "throughput":
         if args.max_tokens < 1 or args.prompt_len < 1:
             raise ValueError("--prompt-len and --max-tokens must be positive.")
@@ -162,6 +170,13 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError("--hc-dim must be positive.")
         rows = bench.copy_bench(args.device, args.dtype, args.hc_dim, tuple(args.tokens), args.repeats)
         bench.print_rows(rows, args.output, bench.COPY_HEADERS)
+    elif args.bench == "serve":
+        if args.max_tokens < 1 or args.prompt_len < 1:
+            raise ValueError("--prompt-len and --max-tokens must be positive.")
+        rows = bench.serve_bench(
+            args.model, args.concurrency, args.requests, args.max_tokens, args.prompt_len, ["--dtype", args.dtype]
+        )
+        bench.print_rows(rows, args.output, bench.SERVE_HEADERS)
     elif args.bench == "step":
         rows = bench.step_bench(args.model, args.batch_sizes, args.max_num_batched_tokens, args.repeats)
         bench.print_rows(rows, args.output, bench.STEP_HEADERS)
