@@ -294,7 +294,7 @@ class SpecRow:
 
 def code_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
     """Prompts from held-out code (the Python standard library's held-out files, which the shipped model
-    never trained on): each starts at a `def` line and is cut to `prompt_tokens` tokens."""
+    never trained on): each starts at a top-level `def` line and is cut to `prompt_tokens` tokens."""
     from leanserve.train.data import default_corpus_dir, find_py_files, is_heldout
 
     prompts = []
@@ -306,13 +306,13 @@ def code_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
         except (UnicodeDecodeError, OSError):
             continue
         start = text.find("\ndef ")
-        if start < 0:
-            continue
-        ids = tokenizer.encode(text[start + 1 :])[:prompt_tokens]
-        if len(ids) == prompt_tokens:
-            prompts.append(ids)
-        if len(prompts) == count:
-            return prompts
+        while start >= 0:  # every top-level function of the file, in order
+            ids = tokenizer.encode(text[start + 1 : start + 1 + 40 * prompt_tokens])[:prompt_tokens]
+            if len(ids) == prompt_tokens:
+                prompts.append(ids)
+            if len(prompts) == count:
+                return prompts
+            start = text.find("\ndef ", start + 1)
     raise ValueError(f"found only {len(prompts)} held-out code prompts of {prompt_tokens} tokens")
 
 
