@@ -389,3 +389,13 @@ def test_chat_uses_the_models_chat_template(tmp_path):
     with plain:
         r = plain.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 3})
         assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("user: def f(x):\nassistant:"))
+
+
+def test_bench_serve_reports_each_concurrency_level(capsys):
+    from leanserve.cli import main
+
+    args = ["--log-level", "warning", "bench", "serve", "--model", str(SHIPPED), "--concurrency", "1,3"]
+    assert main([*args, "--requests", "3", "--max-tokens", "4", "--prompt-len", "8", "--output", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["concurrency"], r["requests"]) for r in rows] == [(1, 3), (3, 3)]
+    assert all(r["req_s"] > 0 and r["output_tok_s"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in rows)
