@@ -399,3 +399,18 @@ def test_bench_serve_reports_each_concurrency_level(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [(r["concurrency"], r["requests"]) for r in rows] == [(1, 3), (3, 3)]
     assert all(r["req_s"] > 0 and r["output_tok_s"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 for r in rows)
+
+
+def test_a_pipeline_stage_that_dies_stops_the_server_naming_it():
+    s = Server("-pp", "2")
+    try:
+        (stage,) = _children(s.proc.pid)
+        os.kill(stage, signal.SIGKILL)
+        status, raw = s.raw("/v1/completions", json.dumps({"model": NAME, "prompt": "x", "max_tokens": 4}).encode())
+        assert status == 503 and "pipeline stage 1 died" in json.loads(raw)["error"]["message"]
+        code = s.proc.wait(timeout=30)  # the server shuts down so a supervisor can restart it
+        assert code == 1 and "pipeline stage 1 died" in s.proc.stderr.read()
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    assert not _alive(stage)

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from leanserve.engine.pipeline import StageFailure
+from leanserve.errors import EngineDied, StageFailure
 
 
 def _int_list(text: str) -> list[int]:
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user errors: config, checkpoint, prompt, sampling parameters
         print(f"leanserve: error: {e}", file=sys.stderr)
         return 2
-    except StageFailure as e:
+    except (StageFailure, EngineDied) as e:  # the engine stopped: say why, exit non-zero
         print(f"leanserve: error: {e}", file=sys.stderr)
         return 1
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from leanserve.config import EngineConfig, ModelConfig
 from leanserve.engine.runner import IntermediateStreams, SeqOutput, StageInfo, StageRunner, StepPlan
 from leanserve.engine.topology import PipelineTopology
+from leanserve.errors import StageFailure
 
 logger = logging.getLogger("leanserve")
 
@@ -41,10 +42,6 @@ _OBJ_TAG, _DATA_TAG = 1, 2
 _OP_TIMEOUT = datetime.timedelta(days=3650)
 _START_TIMEOUT_S = 300.0  # for every stage process to start and reach the rendezvous
 _PEER_LOST = 75  # a stage's exit code when it stops because another stage went away
-
-
-class StageFailure(RuntimeError):
-    """A pipeline stage died or could not start; the engine cannot continue."""
 
 
 @dataclass(frozen=True)

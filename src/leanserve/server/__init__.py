@@ -5,10 +5,14 @@ from __future__ import annotations
 import socket
 import sys
 
+from leanserve.errors import EngineDied
+
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None, api_key=None) -> None:
     """Serves until SIGINT/SIGTERM: then stops taking requests (503), lets in-flight ones finish for a few
-    seconds, aborts the rest, stops the engine (and its pipeline stages) and releases the port."""
+    seconds, aborts the rest, stops the engine (and its pipeline stages) and releases the port. If the engine
+    dies (a pipeline stage died), in-flight requests get a 503 error, the server shuts down the same way and
+    EngineDied is raised."""
     import uvicorn
 
     from leanserve.server.app import build_app
@@ -35,7 +39,18 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str
                 print(f"leanserve: serving '{name}' on http://{shown}:{bound}/v1", file=sys.stderr, flush=True)
 
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, access_log=False)
+    server = Server(config)
+    died: list[str] = []
+
+    def on_dead(reason: str) -> None:  # the engine cannot go on: stop serving, so a supervisor can restart us
+        died.append(reason)
+        app.state.leanserve["shutting_down"] = True
+        server.should_exit = True
+
+    app.state.leanserve["on_dead"] = on_dead
     try:
-        Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         sock.close()
+    if died:
+        raise EngineDied(died[0])

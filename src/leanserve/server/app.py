@@ -107,11 +107,16 @@ def build_app(llm, served_model_name: str, api_key: str | None = None) -> FastAP
     engine = llm.engine
     metrics = ServerMetrics(llm)
     template = ChatTemplate(engine.config.model)
-    state = {"async": None, "shutting_down": False}
+    # on_dead: set by `serve` so that a dead engine (e.g. a pipeline stage that died) stops the server.
+    state = {"async": None, "shutting_down": False, "on_dead": None}
+
+    def engine_died(reason: str) -> None:
+        if state["on_dead"] is not None:
+            state["on_dead"](reason)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["async"] = AsyncEngine(engine, on_step=metrics.on_step)
+        state["async"] = AsyncEngine(engine, on_step=metrics.on_step, on_dead=engine_died)
         yield
         state["shutting_down"] = True
         await asyncio.get_running_loop().run_in_executor(None, state["async"].stop)

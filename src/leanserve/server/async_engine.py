@@ -43,9 +43,10 @@ class EngineStopped(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step=None) -> None:
+    def __init__(self, engine: LLMEngine, on_step=None, on_dead=None) -> None:
         self.engine = engine
         self.on_step = on_step  # called on the loop thread after every step (metrics)
+        self.on_dead = on_dead  # called on the loop thread with the reason if the engine cannot go on
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, _Stream] = {}
         self._stopping = False
@@ -119,6 +120,8 @@ class AsyncEngine:
             for stream in list(self._streams.values()):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Delta([], "abort", self.dead))
             self._streams.clear()
+            if self.on_dead is not None:
+                self.on_dead(self.dead)
 
     def _handle(self, msg) -> None:
         if msg[0] == "add":
