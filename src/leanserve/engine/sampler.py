@@ -162,12 +162,7 @@ class Sampler:
         dev = logits.device
         tokens = logits.argmax(dim=-1)  # every row (cheap); sampled rows are overwritten below
         rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
-        if not rows and not want_probs:
-            return tokens, None
-        if want_probs:
-            probs = processed_probs(logits, params)
-        elif rows:
-            probs = None
+        probs = processed_probs(logits, params) if want_probs else None
         if rows:
             ridx = torch.tensor(rows, dtype=torch.long, device=dev)
             sub_probs = probs[ridx] if probs is not None else processed_probs(logits[ridx], [params[i] for i in rows])
