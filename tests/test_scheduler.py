@@ -258,3 +258,27 @@ def test_cache_slots():
     assert slots.num_free == 2 and slots.allocate() == 0
     with pytest.raises(AssertionError):
         slots.free(1)
+
+
+def test_drafts_use_only_the_budget_left_after_every_running_sequence_has_its_token():
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=6, max_model_len=64)
+    seqs = [make_seq(i, 1, max_tokens=20) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    step(sched)  # the four one-token prompts, then every sequence is decoding
+    for seq in seqs:
+        seq.spec_token_ids = (5, 6, 7)
+    batch = sched.schedule()
+    assert [s.seq.seq_id for s in batch.seqs] == [0, 1, 2, 3]  # nobody starves behind the drafts
+    assert [s.num_drafts for s in batch.seqs] == [2, 0, 0, 0] and batch.num_tokens == 6
+    assert batch.seqs[0].token_ids == (7, 5, 6)  # the newest token, then its drafts
+
+
+def test_drafts_never_run_past_max_tokens():
+    sched = Scheduler(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64)
+    seq = make_seq(0, 2, max_tokens=3)
+    sched.add(seq)
+    step(sched)
+    seq.spec_token_ids = (5, 6, 7, 8)
+    (s,) = sched.schedule().seqs
+    assert s.num_drafts == 1  # 1 output so far + 1 draft + the token the step always adds = max_tokens

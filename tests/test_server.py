@@ -375,15 +375,21 @@ def test_chat_uses_the_models_chat_template(tmp_path):
     for f in SHIPPED.iterdir():
         if f.is_file():
             (model / f.name).symlink_to(f)
-    template = "{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<<assistant>>{% endif %}"
-    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    template = (
+        "{{ bos_token }}{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<<assistant>>{% endif %}"
+    )
+    bos = {"__type": "AddedToken", "content": "<bos>"}  # as DeepSeek's tokenizer_config.json writes it
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": bos}))
     _, client = _app_client(model)
     with client:
         messages = [{"role": "user", "content": "def f(x):"}]
         r = client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 3})
         assert r.status_code == 200
         tok = LLM(str(SHIPPED), max_model_len=64, load_progress=False).get_tokenizer()
-        assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("<<user>>def f(x):\n<<assistant>>"))
+        # The template writes the BOS itself: one BOS, not two.
+        want = tok.encode("<bos><<user>>def f(x):\n<<assistant>>", add_special_tokens=False)
+        assert r.json()["usage"]["prompt_tokens"] == len(want) and want[0] == 0 and want[1] != 0
         # Without a template: the documented plain one.
     _, plain = _app_client(SHIPPED)
     with plain:
@@ -414,3 +420,56 @@ def test_a_pipeline_stage_that_dies_stops_the_server_naming_it():
         if s.proc.poll() is None:
             s.proc.kill()
     assert not _alive(stage)
+
+
+def test_stop_strings_keep_logprobs_and_usage_in_step_with_the_text(server, local):
+    text = greedy_text(local, PROMPTS[0], 30)
+    stop = text[12:15]
+    client = server.client()
+    kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=stop, logprobs=1)
+    out = client.completions.create(**kw)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == text[: text.index(stop)]
+    # The tokens up to the one completing the stop string: their text covers the answer and the stop string.
+    assert "".join(lp.tokens).startswith(out.choices[0].text + stop) or (out.choices[0].text + stop).startswith(
+        "".join(lp.tokens)
+    )
+    assert out.usage.completion_tokens == len(lp.tokens) < 30
+    chunks = list(client.completions.create(**kw, stream=True))
+    tokens = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
+    offsets = [o for c in chunks for o in (c.choices[0].logprobs.text_offset if c.choices[0].logprobs else [])]
+    assert tokens == lp.tokens
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+
+def test_a_request_cancelled_before_the_loop_takes_it_frees_its_slot():
+    from leanserve.server.async_engine import AsyncEngine
+
+    llm = LLM(str(SHIPPED), dtype="float32", max_model_len=256, max_num_seqs=2, load_progress=False)
+    engine = llm.engine
+    add = engine.add_request
+
+    def slow_add(*args):  # the loop is busy when the client leaves
+        time.sleep(0.3)
+        return add(*args)
+
+    engine.add_request = slow_add
+    async_engine = AsyncEngine(engine)
+
+    async def leave_early():
+        async def consume():
+            async for _ in async_engine.generate([0, 90, 91], SamplingParams(max_tokens=200, ignore_eos=True)):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)  # "add" is posted, the loop is still adding it
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (engine.has_unfinished or async_engine._inbox.qsize()):
+            await asyncio.sleep(0.05)
+
+    asyncio.run(leave_early())
+    assert not engine.has_unfinished and engine.scheduler.slots.num_free == 2
+    async_engine.stop()

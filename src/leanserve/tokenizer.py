@@ -26,8 +26,8 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._inner.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._inner.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._inner.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._inner.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -196,11 +196,24 @@ class PipelineDriver:
         if self.dead:
             raise StageFailure(self.dead)
         try:
-            self.channel.send_obj(plan, *range(1, self.num_stages))
-            self.channel.send_streams(self.runner.execute(plan), 1)
-        except RuntimeError as e:
-            raise self._failed(1, e) from None
-        return self._recv(self.num_stages - 1)
+            try:
+                self.channel.send_obj(plan, *range(1, self.num_stages))
+            except RuntimeError as e:
+                raise self._failed(1, e) from None
+            out = self.runner.execute(plan)
+            try:
+                self.channel.send_streams(out, 1)
+            except RuntimeError as e:
+                raise self._failed(1, e) from None
+            return self._recv(self.num_stages - 1)
+        except StageFailure:
+            raise
+        except BaseException as e:
+            # Stage 0 failed or was interrupted mid-step: the other stages are mid-step too, so the pipeline
+            # is out of step and cannot go on. Stop it rather than let a later step read a stale message.
+            self.dead = f"pipeline stage 0 stopped mid-step ({type(e).__name__}: {e}); the engine has stopped."
+            self.shutdown(graceful=False)
+            raise
 
     def _recv(self, rank: int):
         try:

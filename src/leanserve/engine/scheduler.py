@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -103,6 +104,16 @@ class Scheduler:
             if budget == 0 or len(out) == self.max_num_seqs:
                 break
             budget -= self._take(seq, budget, out)
+        # Drafts only from what is left once every running sequence has its token, so they never starve one.
+        for i, s in enumerate(out):
+            if budget == 0:
+                break
+            extra = self._drafts(s, budget)
+            if extra:
+                out[i] = dataclasses.replace(
+                    s, num_tokens=s.num_tokens + len(extra), token_ids=s.token_ids + extra, num_drafts=len(extra)
+                )
+                budget -= len(extra)
         while self._waiting and self.slots.num_free > 0 and len(out) < self.max_num_seqs and budget > 0:
             seq = self._waiting.popleft()
             seq.slot = self.slots.allocate()
@@ -144,24 +155,26 @@ class Scheduler:
         if n <= 0:
             return 0
         assert seq.slot is not None
-        is_sampled = start + n == seq.num_tokens
-        drafts: tuple[int, ...] = ()
-        if is_sampled and seq.spec_token_ids:
-            # As many drafts as the budget takes and the request can still use (one token always comes).
-            room = min(budget - n, seq.params.max_tokens - len(seq.output_token_ids) - 1)
-            drafts = seq.spec_token_ids[: max(room, 0)]
         out.append(
             ScheduledSeq(
                 seq=seq,
                 start=start,
-                num_tokens=n + len(drafts),
+                num_tokens=n,
                 slot=seq.slot,
-                token_ids=tuple(seq.token_ids_between(start, start + n)) + drafts,
-                is_sampled=is_sampled,
-                num_drafts=len(drafts),
+                token_ids=tuple(seq.token_ids_between(start, start + n)),
+                is_sampled=start + n == seq.num_tokens,
             )
         )
-        return n + len(drafts)
+        return n
+
+    @staticmethod
+    def _drafts(s: ScheduledSeq, budget: int) -> tuple[int, ...]:
+        # As many drafts as the budget takes and the request can still use (one token always comes).
+        seq = s.seq
+        if not s.is_sampled or not seq.spec_token_ids:
+            return ()
+        room = min(budget, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        return seq.spec_token_ids[: max(room, 0)]
 
     @staticmethod
     def _append_tokens(seq: Sequence, tokens: list[int]) -> str | None:

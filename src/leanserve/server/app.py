@@ -37,12 +37,23 @@ class ChatTemplate:
                 import jinja2.sandbox
 
                 self.template = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(source)
-                self.special = {k: config.get(k) for k in ("bos_token", "eos_token")}
+                # Special tokens may be plain strings or AddedToken objects ({"content": ...}).
+                self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
 
-    def __call__(self, messages: list[dict]) -> str:
+    def encode(self, tokenizer, messages: list[dict]) -> list[int]:
+        if tokenizer is None:
+            raise protocol.bad("This model has no tokenizer, so chat messages cannot be encoded.", "messages")
         if self.template is None:
-            return protocol.plain_chat_prompt(messages)
-        return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+            return tokenizer.encode(protocol.plain_chat_prompt(messages))
+        try:
+            text = self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+        except Exception as e:  # jinja2.TemplateError, or the template's own raise_exception()
+            raise protocol.bad(f"The model's chat template rejected the messages: {e}", "messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)  # the template writes its own special tokens
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
 
 
 @dataclasses.dataclass
@@ -56,27 +67,29 @@ class Choice:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     sent: int = 0  # characters of text released
     finish_reason: str | None = None
-    logprobs: list[dict] = dataclasses.field(default_factory=list)
-    text_offset: int = 0
+    ends: list[int] = dataclasses.field(default_factory=list)  # text length after each token (when tracked)
+    pending: list[dict] = dataclasses.field(default_factory=list)  # logprob entries not yet released
+    released_tokens: int = 0
 
     def add(self, tokens, finish_reason: str | None) -> tuple[str, list[dict]]:
-        """Takes a delta; returns the text now safe to release and the logprob entries that came with it.
-        Text that may still turn into a stop string, or an incomplete UTF-8 character, is held back."""
-        entries = []
+        """Takes a delta; returns the text now safe to release and the logprob entries of the tokens whose
+        text is released. Text that may still turn into a stop string, or an incomplete UTF-8 character, is
+        held back. A stop string cuts the text before it, and the tokens after the one completing it."""
+        track = bool(self.stop) or any(t.logprob is not None for t in tokens)
         for t in tokens:
             self.token_ids.append(t.token_id)
+            if track:
+                self.ends.append(len(self._decode(self.token_ids)))
             if t.logprob is not None:
-                entries.append(
-                    {
-                        "token": self._piece(t.token_id),
-                        "logprob": t.logprob,
-                        "top": [(self._piece(i), lp) for i, lp in t.top],
-                    }
-                )
-        text = self.tokenizer.decode(self.token_ids) if self.tokenizer is not None else ""
+                top = [(self._piece(i), lp) for i, lp in t.top]
+                self.pending.append({"token": self._piece(t.token_id), "logprob": t.logprob, "top": top})
+        text = self._decode(self.token_ids)
         for s in self.stop:
             at = text.find(s, max(0, self.sent - len(s) + 1))
             if at >= 0:
+                keep = next((i + 1 for i, end in enumerate(self.ends) if end >= at + len(s)), len(self.token_ids))
+                del self.token_ids[keep:], self.ends[keep:]
+                del self.pending[max(0, keep - self.released_tokens) :]
                 text, finish_reason = text[:at], "stop"
                 self.finish_reason = "stop"
         if finish_reason is not None:
@@ -89,7 +102,16 @@ class Choice:
                 release -= 1
         out = text[self.sent : max(release, self.sent)]
         self.sent = max(release, self.sent)
+        # Logprob entries go out with their token's text (all of them once the choice is done).
+        n = len(self.pending)
+        if not self.done and self.ends:
+            n = sum(1 for end in self.ends[self.released_tokens : self.released_tokens + n] if end <= self.sent)
+        entries, self.pending = self.pending[:n], self.pending[n:]
+        self.released_tokens += n
         return out, entries
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def _piece(self, token_id: int) -> str:
         return (
@@ -176,7 +198,7 @@ def build_app(llm, served_model_name: str, api_key: str | None = None) -> FastAP
         body = protocol.parse_json(await request.body())
         req = protocol.parse_request(
             body, chat=chat, served=[served_model_name], max_model_len=engine.max_model_len,
-            tokenizer=engine.tokenizer, chat_prompt=lambda m: _encode_chat(engine, template(m)),
+            tokenizer=engine.tokenizer, chat_prompt=lambda m: template.encode(engine.tokenizer, m),
         )  # fmt: skip
         jobs = []
         for p_index, prompt in enumerate(req.prompts):
@@ -205,12 +227,6 @@ def build_app(llm, served_model_name: str, api_key: str | None = None) -> FastAP
         return await generate(request, chat=True)
 
     return app
-
-
-def _encode_chat(engine, text: str) -> list[int]:
-    if engine.tokenizer is None:
-        raise protocol.bad("This model has no tokenizer, so chat messages cannot be encoded.", "messages")
-    return engine.tokenizer.encode(text)
 
 
 async def _run_choice(choice: Choice, gen, on_delta, metrics: ServerMetrics) -> None:
@@ -263,6 +279,10 @@ async def _complete(request: Request, req: GenRequest, jobs, metrics: ServerMetr
     except EngineStopped as e:
         raise APIError(503, str(e), type="server_error", code="engine_stopped") from None
     choices = [c for c, _ in jobs]
+    if any(c.finish_reason == "abort" for c in choices):  # ended by a shutdown, not by the model
+        raise APIError(
+            503, "The server is shutting down; the request was ended.", type="server_error", code="shutting_down"
+        )
     out_choices = []
     for c in choices:
         text = "".join(texts[c.index])
@@ -330,10 +350,12 @@ async def _stream(req: GenRequest, jobs, metrics: ServerMetrics, path: str):
                 piece["logprobs"] = (
                     protocol.completion_logprobs(entries, offsets[choice.index]) if req.logprobs is not None else None
                 )
-                offsets[choice.index] += len(text)
+                offsets[choice.index] += sum(len(e["token"]) for e in entries)
             yield chunk([piece])
         try:
             task.result()
+            if any(c.finish_reason == "abort" for c, _ in jobs):  # ended by a shutdown, not by the model
+                raise EngineStopped("The server is shutting down; the request was ended.")
         except EngineStopped as e:
             status = 503
             yield f"data: {json.dumps(APIError(503, str(e), type='server_error').body())}\n\n"

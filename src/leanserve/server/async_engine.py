@@ -9,6 +9,7 @@ between steps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -36,6 +37,7 @@ class Delta:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq_id: int | None = None  # set by the loop thread when the request is added
 
 
 class EngineStopped(RuntimeError):
@@ -64,7 +66,11 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
         reply: asyncio.Future = stream.loop.create_future()
         self._inbox.put(("add", prompt_token_ids, params, stream, reply))
-        seq_id = await reply
+        try:
+            seq_id = await reply
+        except asyncio.CancelledError:  # the client left before the loop took the request: undo the add
+            self._inbox.put(("abort_stream", stream))
+            raise
         if isinstance(seq_id, Exception):
             raise seq_id
         finished = False
@@ -85,7 +91,7 @@ class AsyncEngine:
         """Ends every request (finish_reason "abort"), stops the loop thread and the engine's stages."""
         self._stopping = True
         self._inbox.put(("stop",))
-        self._thread.join(timeout=30)
+        self._thread.join()  # the loop ends after its current step; the executor is not shared meanwhile
         self.engine.shutdown()
 
     @property
@@ -109,6 +115,7 @@ class AsyncEngine:
                         break
                     if msg[0] == "stop":
                         self._end_all("abort")
+                        self._refuse_pending("the server is shutting down")
                         return
                     self._handle(msg)
                     block = False
@@ -118,10 +125,22 @@ class AsyncEngine:
             logger.exception("engine loop stopped")
             self.dead = f"the engine stopped: {e}"
             for stream in list(self._streams.values()):
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Delta([], "abort", self.dead))
+                _post(stream.loop, stream.queue.put_nowait, Delta([], "abort", self.dead))
             self._streams.clear()
+            self._refuse_pending(self.dead)
             if self.on_dead is not None:
                 self.on_dead(self.dead)
+
+    def _refuse_pending(self, reason: str) -> None:
+        # Requests still in the inbox get an answer (EngineStopped) rather than waiting for ever.
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                stream, reply = msg[3], msg[4]
+                _post(stream.loop, _resolve, reply, EngineStopped(reason))
 
     def _handle(self, msg) -> None:
         if msg[0] == "add":
@@ -129,13 +148,14 @@ class AsyncEngine:
             try:
                 seq_id = self.engine.add_request(ids, params)
             except ValueError as e:
-                stream.loop.call_soon_threadsafe(_resolve, reply, e)
+                _post(stream.loop, _resolve, reply, e)
                 return
             self._streams[seq_id] = stream
-            stream.loop.call_soon_threadsafe(_resolve, reply, seq_id)
-        elif msg[0] == "abort":
-            seq_id = msg[1]
-            if self._streams.pop(seq_id, None) is not None:
+            stream.seq_id = seq_id
+            _post(stream.loop, _resolve, reply, seq_id)
+        elif msg[0] in ("abort", "abort_stream"):
+            seq_id = msg[1] if msg[0] == "abort" else msg[1].seq_id
+            if seq_id is not None and self._streams.pop(seq_id, None) is not None:
                 self.engine.abort(seq_id)
 
     def _step(self) -> None:
@@ -146,7 +166,7 @@ class AsyncEngine:
             if stream is None:
                 continue
             reason = finished.get(seq_id)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Delta(tokens, reason))
+            _post(stream.loop, stream.queue.put_nowait, Delta(tokens, reason))
             if reason is not None:
                 del self._streams[seq_id]
         if self.on_step is not None:
@@ -155,8 +175,14 @@ class AsyncEngine:
     def _end_all(self, reason: str) -> None:
         for seq_id, stream in list(self._streams.items()):
             self.engine.abort(seq_id)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, Delta([], reason))
+            _post(stream.loop, stream.queue.put_nowait, Delta([], reason))
         self._streams.clear()
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    # Hands a callback to the caller's event loop; a loop that has closed meanwhile has nobody to tell.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _resolve(future: asyncio.Future, value) -> None:
