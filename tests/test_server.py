@@ -244,6 +244,8 @@ BAD = [
     ({"model": NAME, "prompt": "x " * 2000}, "prompt"),
     ({"model": NAME, "prompt": "x", "seed": "abc"}, "seed"),
     ({"model": NAME, "prompt": "x", "stream": "yes"}, "stream"),
+    ({"model": NAME, "prompt": "x", "echo": True}, "echo"),
+    ({"model": NAME, "prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
 ]
 
 

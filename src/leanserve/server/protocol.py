@@ -100,7 +100,6 @@ class GenRequest:
     logprobs: int | None  # top-N per token (0 = only the chosen token's), None = no logprobs
     max_tokens: int | None
     chat: bool = False
-    echo: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
@@ -135,6 +134,8 @@ def parse_request(
     seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
     ignore_eos = _bool(body, "ignore_eos", False)
     stream = _bool(body, "stream", False)
+    if _bool(body, "echo", False):
+        raise bad("'echo' is not supported by this server.", "echo")
     for name in ("frequency_penalty", "presence_penalty"):
         if _num(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise bad(f"'{name}' is not supported by this server; leave it at 0.", name)
