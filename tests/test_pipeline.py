@@ -115,11 +115,9 @@ def test_layers_split_evenly_with_the_remainder_off_the_last_stage():
 )
 def test_a_bad_split_fails_before_any_process_starts(ckpt5, kwargs, match):
     before = child_pids()
-    start = time.monotonic()
     with pytest.raises(ConfigError, match=match):
         engine(ckpt5, **kwargs)
-    assert time.monotonic() - start < 5  # no process was started and waited for
-    assert child_pids() == before
+    assert child_pids() == before  # no stage process was started
 
 
 # --- PP=N equals PP=1 ---------------------------------------------------------------------------------
