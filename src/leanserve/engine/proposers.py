@@ -25,7 +25,7 @@ from leanserve.config import ModelConfig, SpeculativeConfig
 from leanserve.engine.sampler import STREAM_DRAFT, Sampler, _is_greedy
 from leanserve.memory import MemoryLedger
 from leanserve.model.batch import Chunk, build_forward_batch
-from leanserve.model.cache import CacheGeometry, allocate_layer_cache
+from leanserve.model.cache import CacheGeometry
 from leanserve.model.deepseek_v4 import DeepseekV4, build_model
 from leanserve.model.loader import load_weights
 from leanserve.sampling_params import SamplingParams
@@ -142,15 +142,9 @@ class DraftModelProposer(ModelProposer):
         model = build_model(cfg, max_model_len, dtype, device=device)
         if device != "meta":
             load_weights(model, spec.model, progress=progress)
-        weights = set(model.state_dict())
-        for name, buf in model.named_buffers():
-            if name not in weights:
-                ledger.register(f"draft.{name}", "draft_model", feature, buf)
+        model.register_tables(ledger, prefix="draft.", feature=feature)
         geometry = CacheGeometry.build(cfg, num_slots, max_model_len, spec.num_speculative_tokens)
-        caches = {
-            key: allocate_layer_cache(cfg, block.layer_type, geometry, dtype, ledger, f"draft.layers.{key}", feature)
-            for key, block in model.layers.items()
-        }
+        caches = model.allocate_cache(geometry, dtype, ledger, prefix="draft.", feature=feature)
         proposer = cls(
             model, geometry, caches, device, k=spec.num_speculative_tokens, vocab=cfg.vocab_size,
             num_slots=num_slots, sampler=sampler, ledger=ledger, feature=feature,

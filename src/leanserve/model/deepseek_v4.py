@@ -68,25 +68,31 @@ class DeepseekV4(nn.Module):
 
     # --- construction helpers -------------------------------------------------------------------------
     def allocate_cache(
-        self, geo: CacheGeometry, dtype: torch.dtype, ledger: MemoryLedger | None = None
+        self,
+        geo: CacheGeometry,
+        dtype: torch.dtype,
+        ledger: MemoryLedger | None = None,
+        prefix: str = "",
+        feature: str = KV_CACHE,
     ) -> dict[str, LayerCache]:
         """Caches for every layer this stage holds, allocated through `ledger` (a private one if None, on
-        the model's device): the trunk's as kv_cache, the MTP layer's as the MTP drafter's."""
+        the model's device) under `feature`, named `{prefix}layers.N.*`; the MTP layer's belong to the MTP
+        drafter. (A draft model's use prefix "draft." and the draft model's feature.)"""
         ledger = ledger or MemoryLedger(self.stage.index, self.device)
         caches = {
-            k: allocate_layer_cache(self.cfg, b.layer_type, geo, dtype, ledger, f"layers.{k}", KV_CACHE)
+            k: allocate_layer_cache(self.cfg, b.layer_type, geo, dtype, ledger, f"{prefix}layers.{k}", feature)
             for k, b in self.layers.items()
         }
         if self.mtp is not None:
             caches["mtp.0"] = allocate_layer_cache(self.cfg, SLIDING, geo, dtype, ledger, "mtp.0", SPEC_MTP)
         return caches
 
-    def register_tables(self, ledger: MemoryLedger) -> None:
+    def register_tables(self, ledger: MemoryLedger, prefix: str = "", feature: str = ROPE) -> None:
         """Adds the derived tables (non-persistent buffers, computed rather than loaded) to the ledger."""
         weights = set(self.state_dict())
         for name, buf in self.named_buffers():
             if name not in weights:
-                ledger.register(name, name.rsplit(".", 1)[0], ROPE, buf)
+                ledger.register(prefix + name, prefix + name.rsplit(".", 1)[0], feature, buf)
 
     @property
     def device(self) -> torch.device:
