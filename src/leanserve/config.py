@@ -414,15 +414,8 @@ class EngineConfig:
         pp = self.pipeline_parallel_size
         if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
             raise ConfigError(f"pipeline_parallel_size must be a positive integer, got {pp!r}.")
-        if self.pipeline_layer_counts is not None:
-            counts = tuple(self.pipeline_layer_counts)
-            object.__setattr__(self, "pipeline_layer_counts", counts)
-            if len(counts) != pp:
-                raise ConfigError(
-                    f"pipeline_layer_counts has {len(counts)} entries but pipeline_parallel_size is {pp}."
-                )
-            if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
-                raise ConfigError(f"pipeline_layer_counts entries must be positive integers, got {list(counts)}.")
+        if self.pipeline_layer_counts is not None:  # checked against the model by PipelineTopology.build
+            object.__setattr__(self, "pipeline_layer_counts", tuple(self.pipeline_layer_counts))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")

@@ -17,9 +17,7 @@ class PipelineTopology:
     def build(cls, cfg: ModelConfig, num_stages: int, layer_counts: tuple[int, ...] | None = None) -> PipelineTopology:
         """Even split, the remainder on the earliest stages (the last also carries hc_head, norm, head and the
         MTP layer), unless `layer_counts` says otherwise."""
-        n = cfg.num_hidden_layers
-        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-            raise ConfigError(f"pipeline_parallel_size must be a positive integer, got {num_stages!r}.")
+        n = cfg.num_hidden_layers  # num_stages is a positive integer (EngineConfig checks it)
         if num_stages > n:
             raise ConfigError(
                 f"pipeline_parallel_size ({num_stages}) is larger than the model's {n} layers; "
@@ -30,11 +28,15 @@ class PipelineTopology:
             return cls(tuple(base + (1 if i < extra else 0) for i in range(num_stages)))
         counts = tuple(layer_counts)
         if len(counts) != num_stages:
-            raise ConfigError(f"The layer split {list(counts)} has {len(counts)} stages, not {num_stages}.")
+            raise ConfigError(
+                f"pipeline_layer_counts has {len(counts)} entries but pipeline_parallel_size is {num_stages}."
+            )
         if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
-            raise ConfigError(f"The layer split {list(counts)} must give every stage at least one layer.")
+            raise ConfigError(f"pipeline_layer_counts entries must be positive integers, got {list(counts)}.")
         if sum(counts) != n:
-            raise ConfigError(f"The layer split {list(counts)} sums to {sum(counts)}, but the model has {n} layers.")
+            raise ConfigError(
+                f"pipeline_layer_counts {list(counts)} sums to {sum(counts)}, but the model has {n} layers."
+            )
         return cls(counts)
 
     @property
