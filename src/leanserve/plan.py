@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from leanserve.config import ConfigError, EngineConfig, ModelConfig
+from leanserve.engine.llm_engine import check_speculative
 from leanserve.engine.runner import StageRunner
 from leanserve.engine.topology import PipelineTopology
 from leanserve.memory import StageMemory
@@ -42,9 +43,7 @@ def plan_memory(source: str, dtype: str = "bfloat16", **engine_kwargs) -> list[S
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
     config = EngineConfig(model=source, dtype=dtype, **engine_kwargs)
     topology = PipelineTopology.build(cfg, config.pipeline_parallel_size, config.pipeline_layer_counts)
-    spec = config.speculative_config
-    if spec is not None and spec.method == "mtp" and not cfg.has_mtp:
-        raise ConfigError(f"speculative_config.method 'mtp' needs an MTP layer, but {source} has none.")
+    check_speculative(config.speculative_config, cfg, source, weights=False)
     torch_dtype = getattr(torch, cfg.torch_dtype if dtype == "auto" else dtype)
     max_len = config.resolved_max_model_len(cfg)
     return [

@@ -218,10 +218,12 @@ class LLMEngine:
         return self.spec_metrics.as_dict()
 
 
-def check_speculative(spec: SpeculativeConfig | None, cfg: ModelConfig, model_dir: str) -> None:
+def check_speculative(spec: SpeculativeConfig | None, cfg: ModelConfig, model_dir: str, weights: bool = True) -> None:
+    """Errors naming what a speculative method lacks; `weights=False` (a plan from a config alone) skips
+    looking for MTP tensors."""
     if spec is None:
         return
-    if spec.method == "mtp" and (not cfg.has_mtp or not has_mtp_weights(model_dir)):
+    if spec.method == "mtp" and (not cfg.has_mtp or (weights and not has_mtp_weights(model_dir))):
         raise ConfigError(
             f"speculative_config.method 'mtp' needs the checkpoint's MTP layer, but {model_dir} has no MTP weights "
             "(num_nextn_predict_layers or mtp.* tensors missing)."
