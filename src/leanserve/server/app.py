@@ -75,15 +75,16 @@ class Choice:
         """Takes a delta; returns the text now safe to release and the logprob entries of the tokens whose
         text is released. Text that may still turn into a stop string, or an incomplete UTF-8 character, is
         held back. A stop string cuts the text before it, and the tokens after the one completing it."""
-        track = bool(self.stop) or any(t.logprob is not None for t in tokens)
+        first = len(self.token_ids)
         for t in tokens:
             self.token_ids.append(t.token_id)
-            if track:
-                self.ends.append(len(self._decode(self.token_ids)))
             if t.logprob is not None:
                 top = [(self._piece(i), lp) for i, lp in t.top]
                 self.pending.append({"token": self._piece(t.token_id), "logprob": t.logprob, "top": top})
         text = self._decode(self.token_ids)
+        if self.stop or self.pending:  # where each new token's text ends (the last one ends the text)
+            self.ends += [len(self._decode(self.token_ids[:i])) for i in range(first + 1, len(self.token_ids))]
+            self.ends += [len(text)] if tokens else []
         for s in self.stop:
             at = text.find(s, max(0, self.sent - len(s) + 1))
             if at >= 0:

@@ -62,7 +62,7 @@ class AsyncEngine:
         (a client that went away), so its cache slot is freed at once."""
         if self.dead or self._stopping:
             raise EngineStopped(self.dead or "the server is shutting down")
-        self.engine.check_request(prompt_token_ids, params)  # ValueError naming the problem
+        # A bad request comes back from add_request as a ValueError naming the problem.
         stream = _Stream(asyncio.get_running_loop())
         reply: asyncio.Future = stream.loop.create_future()
         self._inbox.put(("add", prompt_token_ids, params, stream, reply))
@@ -93,14 +93,6 @@ class AsyncEngine:
         self._inbox.put(("stop",))
         self._thread.join()  # the loop ends after its current step; the executor is not shared meanwhile
         self.engine.shutdown()
-
-    @property
-    def num_running(self) -> int:
-        return self.engine.scheduler.num_running
-
-    @property
-    def num_waiting(self) -> int:
-        return self.engine.scheduler.num_waiting
 
     # --- the loop thread ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -170,7 +162,7 @@ class AsyncEngine:
             if reason is not None:
                 del self._streams[seq_id]
         if self.on_step is not None:
-            self.on_step(self, time.perf_counter() - start)
+            self.on_step(time.perf_counter() - start)
 
     def _end_all(self, reason: str) -> None:
         for seq_id, stream in list(self._streams.items()):

@@ -56,7 +56,7 @@ class ServerMetrics:
         self.waiting.set_function(lambda: engine.scheduler.num_waiting)
 
     # Called on the engine-loop thread after each step.
-    def on_step(self, async_engine, seconds: float) -> None:
+    def on_step(self, seconds: float) -> None:
         self.step.observe(seconds)
         if self.spec is not None:
             m = self._engine.spec_decode_metrics()
