@@ -156,7 +156,7 @@ class PipelineDriver:
         except BaseException:
             self.shutdown(graceful=False)
             raise
-        self.store = store
+        self.store = store  # the TCP store (on stage 0, its server) lives as long as the engine
 
     def _spawn(self, port: int) -> None:
         for rank in range(1, self.num_stages):
