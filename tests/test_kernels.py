@@ -22,3 +22,120 @@ def test_mhc_weights_match_torch(hc, tokens):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     # Sinkhorn ends with a column normalisation: every column of comb sums to 1
     torch.testing.assert_close(fast[2].sum(-2), torch.ones(tokens, hc), rtol=1e-5, atol=1e-5)
+
+
+def _both(fn, *args):
+    """fn(*args) through the kernels and through torch."""
+    fast = fn(*args)
+    with cpu_kernels.disabled():
+        ref = fn(*args)
+    return fast, ref
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 70])
+def test_linear_and_norms_match_torch(rows):
+    from leanserve.model.layers import linear, norm_rope, rms_norm
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 3, 64, generator=gen)
+    w = torch.randn(40, 64, generator=gen)
+    norm_w = torch.rand(64, generator=gen) + 0.5
+    angles = torch.rand(rows, 16, generator=gen) * 6
+    freqs = torch.polar(torch.full_like(angles, 1.3), angles)
+    for fn, args in [
+        (linear, (x, w)),
+        (rms_norm, (x, 1e-6)),
+        (rms_norm, (x, 1e-6, norm_w)),
+        (norm_rope, (x, freqs, 1e-6)),
+        (norm_rope, (x, freqs, 1e-6, norm_w)),
+    ]:
+        fast, ref = _both(fn, *args)
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_matches_torch(inverse):
+    from leanserve.model.layers import apply_rope
+
+    gen = torch.Generator().manual_seed(int(inverse))
+    x = torch.randn(9, 4, 64, generator=gen)
+    freqs = torch.polar(torch.ones(9, 16), torch.rand(9, 16, generator=gen) * 6)
+    fast, ref = _both(apply_rope, x, freqs, inverse)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(fast, x)  # it rotated something
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_hc_pre_and_post_match_torch(tokens):
+    from leanserve.model.hyper import hc_post, hc_pre
+
+    gen = torch.Generator().manual_seed(tokens)
+    hc, dim = 4, 32
+    streams = torch.randn(tokens, hc, dim, generator=gen)
+    fn = torch.randn((2 + hc) * hc, hc * dim, generator=gen) * 0.1
+    base, scale = torch.randn((2 + hc) * hc, generator=gen), torch.rand(3, generator=gen) + 0.5
+    norm_w = torch.rand(dim, generator=gen) + 0.5
+    fast, ref = _both(hc_pre, streams, fn, base, scale, 1e-6, 1e-6, 20, norm_w)
+    for a, b in zip(fast, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    block_out = torch.randn(tokens, dim, generator=gen)
+    fast, ref = _both(hc_post, block_out, streams, *fast[1:])
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["moe", "hash_moe"])
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_moe_few_tokens_matches_grouped(kind, scoring):
+    from dataclasses import replace
+
+    from leanserve.config import ModelConfig
+    from leanserve.model.moe import FEW_TOKENS, MoE
+
+    cfg = replace(ModelConfig.from_hf("models/dsv4-stdlib-8m"), scoring_func=scoring)
+    gen = torch.Generator().manual_seed(7)
+    moe = MoE(cfg, kind).requires_grad_(False)
+    for p in moe.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    if kind == "hash_moe":
+        moe.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, moe.gate.tid2eid.shape, generator=gen))
+    x = torch.randn(FEW_TOKENS, cfg.hidden_size, generator=gen)
+    ids = torch.randint(0, cfg.vocab_size, (FEW_TOKENS,), generator=gen)
+    fast, ref = _both(moe, x, ids)
+    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_padded_experts_match_grouped_matmul():
+    from leanserve.model.moe import grouped_mm, padded_experts, swiglu
+
+    gen = torch.Generator().manual_seed(3)
+    experts, hidden, inter = 8, 32, 16
+    w13, w2 = torch.randn(experts, 2 * inter, hidden, generator=gen), torch.randn(experts, hidden, inter, generator=gen)
+    counts = torch.tensor([3, 0, 5, 2, 4, 4, 1, 5])
+    rows = torch.randn(int(counts.sum()), hidden, generator=gen)
+    padded = padded_experts(rows, counts, w13, w2, 10.0)
+    assert padded is not None
+    ends = torch.cumsum(counts, 0)
+    gate, up = grouped_mm(rows, w13, ends).chunk(2, dim=-1)
+    torch.testing.assert_close(padded, grouped_mm(swiglu(gate, up, 10.0), w2, ends), rtol=1e-4, atol=1e-4)
+    assert padded_experts(rows[:4], torch.tensor([4, 0, 0, 0, 0, 0, 0, 0]), w13, w2, 10.0) is None  # skewed
+
+
+def test_engine_with_kernels_matches_torch_path():
+    # Prefill (torch matmuls), decode and speculative verification (the compiled kernels) against the torch
+    # path everywhere: the same tokens, logprobs within float32 noise.
+    from leanserve import LLM, SamplingParams
+
+    prompts = [list(range(3, 3 + n)) for n in (5, 70, 23)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    llm = LLM("models/dsv4-stdlib-8m", max_model_len=128, max_num_batched_tokens=64, speculative_config=spec,
+              load_progress=False)  # fmt: skip
+    fast = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    with cpu_kernels.disabled():
+        ref = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for a, b in zip(fast, ref, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.outputs[0].logprobs) == len(b.outputs[0].logprobs) == 12
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            for tok in x:
+                assert abs(x[tok].logprob - y[tok].logprob) < 1e-4

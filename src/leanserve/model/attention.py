@@ -12,16 +12,24 @@ rotation). Each head has a learned attention sink. The output projection is grou
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from leanserve.config import CSA, SLIDING, ModelConfig
-from leanserve.model.batch import ForwardBatch
+from leanserve.model import cpu_kernels
+from leanserve.model.batch import AttnGroup, ForwardBatch
 from leanserve.model.cache import LayerCache
 from leanserve.model.compressor import Compressor, Indexer
-from leanserve.model.layers import RMSNorm, apply_rope, fp32_param, rms_norm
+from leanserve.model.layers import Linear, RMSNorm, apply_rope, fp32_param, grouped_linear, norm_rope
 
 Rope = torch.Tensor  # complex RoPE factors, see layers.Rotary
+
+# Steps of up to this many tokens (decode, speculative verification) attend through the compiled CPU kernel;
+# longer ones (prefill) through batched torch matmuls.
+FEW_QUERIES = 64
+NO_ROWS = np.empty((1, 0, 1), dtype=np.float32)
+NO_CHOICE = np.empty((0, 0, 0), dtype=np.bool_)
 
 
 class Attention(nn.Module):
@@ -32,14 +40,14 @@ class Attention(nn.Module):
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.o_groups, self.eps = cfg.o_groups, cfg.rms_norm_eps
         hidden = cfg.hidden_size
-        self.wq_a = nn.Linear(hidden, cfg.q_lora_rank, bias=False)
+        self.wq_a = Linear(hidden, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wkv = nn.Linear(hidden, self.head_dim, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = Linear(hidden, self.head_dim, bias=False)
         self.norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         group_in = self.n_heads * self.head_dim // cfg.o_groups
-        self.wo_a = nn.Linear(group_in, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False)
+        self.wo_a = Linear(group_in, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False)
         self.attn_sink = fp32_param(self.n_heads)
         self.compressor = None
         self.indexer = None
@@ -62,17 +70,14 @@ class Attention(nn.Module):
         rope = ropes[self.rope_kind]
         q_residual = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
         q = self.wq_b(q_residual).view(num_tokens, self.n_heads, self.head_dim)
-        q = apply_rope(rms_norm(q, self.eps), rope)
-        kv = apply_rope(self.norm(self.wkv(x)), rope)  # [T, D]
+        q = norm_rope(q, rope, self.eps)
+        kv = norm_rope(self.wkv(x), rope, self.eps, self.norm.weight)  # [T, D]
 
         # Window keys come from the ring (earlier steps) and this step's rows; see model/batch.py.
         ring = cache.window_kv.view(-1, self.head_dim)
         write = fb.window_write
         if fb.window_write_first:
             ring.index_copy_(0, write.dst, kv[write.src].to(ring.dtype))
-            store = ring
-        else:
-            store = torch.cat([ring, kv.to(ring.dtype)])
         index_queries = None
         if self.compressor is not None:
             meta = fb.compress[self.layer_type]
@@ -81,32 +86,60 @@ class Attention(nn.Module):
                 self.indexer.compressor(x, meta, cache.idx_kv, cache.idx_gate, cache.idx_rows, ropes[self.layer_type])
                 if any(g.max_visible[self.layer_type] > self.indexer.topk for g in fb.groups):
                     index_queries = self.indexer.queries(x, q_residual, rope)
+        new_kv = None if fb.window_write_first else kv.to(ring.dtype)
+        if num_tokens <= FEW_QUERIES and cpu_kernels.fast(q, ring, new_kv if new_kv is not None else q):
+            out = self._attend_kernel(q, ring, new_kv, fb, cache, index_queries, rope)
+        else:
+            out = self._attend_torch(q, ring, new_kv, fb, cache, index_queries, rope)
+        if not fb.window_write_first:
+            ring.index_copy_(0, write.dst, kv[write.src].to(ring.dtype))
 
+        # Grouped low-rank output projection: each group of heads -> o_lora_rank, then mix to hidden.
+        grouped = out.reshape(num_tokens, self.o_groups, -1)  # [T, G, H*D/G]
+        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, o_lora_rank, H*D/G]
+        return self.wo_b(grouped_linear(grouped, w).flatten(1))
+
+    def _visible_rows(self, g: AttnGroup, cache: LayerCache, index_queries, n: int) -> torch.Tensor:
+        """[NB, Bq, n] bool: the compressed rows each query attends to (the indexer's top-k on CSA layers)."""
+        row_mask = torch.arange(n, device=g.q_rows.device) < g.visible[self.layer_type][..., None]
+        if index_queries is not None and n > self.indexer.topk:
+            row_mask = self.indexer.select(index_queries, g, cache.idx_rows, row_mask)
+        return row_mask
+
+    def _attend_torch(self, q, ring, new_kv, fb: ForwardBatch, cache: LayerCache, index_queries, rope) -> torch.Tensor:
+        store = ring if new_kv is None else torch.cat([ring, new_kv])
         out = None if fb.groups[0].is_identity else torch.empty_like(q)  # an identity group is the only one
         for g in fb.groups:
             keys, mask = store[g.key_index], g.key_mask  # [NB, Kw, D], [NB, Bq, Kw]
             n = g.max_visible[self.layer_type] if self.compressor is not None else 0
             if n:
                 rows = cache.comp_rows[g.block_slot, :n]  # [NB, n, D]
-                row_mask = torch.arange(n, device=x.device) < g.visible[self.layer_type][..., None]  # [NB, Bq, n]
-                if index_queries is not None and n > self.indexer.topk:
-                    row_mask = self.indexer.select(index_queries, g, cache.idx_rows, row_mask)
                 keys = torch.cat([keys, rows.to(keys.dtype)], dim=1)
-                mask = torch.cat([mask, row_mask], dim=-1)
+                mask = torch.cat([mask, self._visible_rows(g, cache, index_queries, n)], dim=-1)
             attended = self._attend(g.gather(q), keys, mask)  # [NB, Bq, H, D]
             if g.is_identity:
                 out = attended.squeeze(1)
             else:
                 out[g.q_rows[g.q_valid]] = attended[g.q_valid]
-        if not fb.window_write_first:
-            ring.index_copy_(0, write.dst, kv[write.src].to(ring.dtype))
-        out = apply_rope(out, rope, inverse=True)
+        return apply_rope(out, rope, inverse=True)
 
-        # Grouped low-rank output projection: each group of heads -> o_lora_rank, then mix to hidden.
-        grouped = out.reshape(num_tokens, self.o_groups, -1)  # [T, G, H*D/G]
-        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, o_lora_rank, H*D/G]
-        projected = torch.einsum("tgi,goi->tgo", grouped, w).flatten(1)
-        return self.wo_b(projected)
+    def _attend_kernel(self, q, ring, new_kv, fb: ForwardBatch, cache: LayerCache, index_queries, rope):
+        out = torch.empty_like(q)
+        new = cpu_kernels.EMPTY.reshape(0, 1) if new_kv is None else new_kv.numpy()
+        angles = torch.view_as_real(rope.contiguous()).numpy()
+        rows = cache.comp_rows.numpy() if cache.comp_rows is not None else NO_ROWS
+        for g in fb.groups:
+            n = g.max_visible[self.layer_type] if self.compressor is not None else 0
+            visible = g.visible[self.layer_type] if n else torch.zeros_like(g.q_rows)
+            chosen = NO_CHOICE
+            if index_queries is not None and n > self.indexer.topk:
+                chosen = self._visible_rows(g, cache, index_queries, n).numpy()
+            cpu_kernels.attend(
+                q.numpy(), ring.numpy(), new, g.q_rows.numpy(), g.q_valid.numpy(), g.key_index.numpy(),
+                g.key_mask.numpy(), g.block_slot.numpy(), rows, visible.numpy(), chosen, self.attn_sink.numpy(),
+                self.head_dim**-0.5, angles, out.numpy(),
+            )  # fmt: skip
+        return out
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [NB, Bq, H, D], keys (= values) [NB, K, D], mask [NB, Bq, K] -> [NB, Bq, H, D]."""

@@ -30,14 +30,16 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_scale", fp32_param(3))
 
     def _pre(self, streams: torch.Tensor, site: str):
+        """(the normalised input of the attention or MoE, post, comb)"""
         fn, base, scale = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
-        return hc_pre(streams, fn, base, scale, self.norm_eps, self.hc_eps, self.sinkhorn_iters)
+        norm = self.attn_norm if site == "attn" else self.ffn_norm
+        return hc_pre(streams, fn, base, scale, self.norm_eps, self.hc_eps, self.sinkhorn_iters, norm.weight)
 
     def forward(
         self, streams: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes: dict[str, Rope]
     ) -> torch.Tensor:
         # streams: [T, hc_mult, hidden]
         x, post, comb = self._pre(streams, "attn")
-        streams = hc_post(self.attn(self.attn_norm(x), fb, cache, ropes), streams, post, comb)
+        streams = hc_post(self.attn(x, fb, cache, ropes), streams, post, comb)
         x, post, comb = self._pre(streams, "ffn")
-        return hc_post(self.ffn(self.ffn_norm(x), fb.input_ids), streams, post, comb)
+        return hc_post(self.ffn(x, fb.input_ids), streams, post, comb)

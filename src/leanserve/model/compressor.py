@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanserve.model.batch import AttnGroup, CompressMeta
-from leanserve.model.layers import RMSNorm, apply_rope, fp32_param
+from leanserve.model.layers import Linear, RMSNorm, apply_rope, fp32_param
 
 
 class Compressor(nn.Module):
@@ -22,8 +22,8 @@ class Compressor(nn.Module):
         super().__init__()
         self.dim, self.ratio, self.overlap = dim, ratio, overlap
         width = 2 * dim if overlap else dim
-        self.wkv = nn.Linear(hidden_size, width, bias=False)
-        self.wgate = nn.Linear(hidden_size, width, bias=False)
+        self.wkv = Linear(hidden_size, width, bias=False)
+        self.wgate = Linear(hidden_size, width, bias=False)
         self.ape = fp32_param(ratio, width)
         self.norm = RMSNorm(dim, eps)
 
@@ -86,8 +86,8 @@ class Indexer(nn.Module):
     ) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
-        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
-        self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False)
+        self.wq_b = Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.weights_proj = Linear(hidden_size, n_heads, bias=False)
         self.compressor = Compressor(hidden_size, head_dim, ratio, overlap=True, eps=eps)
 
     def queries(

@@ -1,54 +1,455 @@
-"""Small CPU kernels compiled with numba, for math on tiny tensors where each torch op would cost more in
-dispatch than in arithmetic. Each has a torch reference next to its caller; the tests compare the two."""
+"""Small CPU kernels compiled with numba, for float32 math on small tensors where each torch op would cost
+more in dispatch than in arithmetic, and for elementwise chains that torch would run as many passes over
+memory. Each kernel has a torch reference next to its caller (used for other dtypes and devices, and for
+autograd); tests/test_kernels.py compares the two.
+
+Kernels take numpy views of contiguous float32 CPU tensors and write into an output array; `fast(...)`
+says whether the tensors qualify.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
+import torch
 
 try:
     import numba
 except ImportError:  # the torch path is used instead
     numba = None
 
+# Reassociation lets reductions vectorise; no "no-NaN/no-inf" flags, since masks use -inf.
+_FLAGS = {"reassoc", "contract", "nsz", "arcp"}
+EMPTY = np.empty(0, dtype=np.float32)  # "no weight"
 
-def _mhc_weights(mixes, scale, base, hc, hc_eps, iters, out):  # pragma: no cover - compiled
-    # mixes [T, (2+hc)*hc] float32 -> out [T, (2+hc)*hc]: pre (sigmoid + eps) | post (2 * sigmoid) | comb
-    # (softmax per row + eps, then Sinkhorn-normalised), comb row-major.
+
+def _jit(fn):
+    return numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(fn) if numba is not None else None
+
+
+_enabled = numba is not None
+
+
+@contextlib.contextmanager
+def disabled():
+    """Runs the torch path everywhere (the reference the tests compare the kernels with)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def fast(*tensors: torch.Tensor, strided: tuple[torch.Tensor, ...] = ()) -> bool:
+    """True when the kernels can take these tensors: numba present, float32 CPU, no autograd, and contiguous
+    (but for those in `strided`)."""
+    if not _enabled:
+        return False
+    for t in tensors + strided:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.requires_grad:
+            return False
+    return all(t.is_contiguous() for t in tensors)
+
+
+def np_(t: torch.Tensor | None) -> np.ndarray:
+    return EMPTY if t is None else t.detach().numpy()
+
+
+# --- RMSNorm --------------------------------------------------------------------------------------------
+def _rms_norm(x, w, eps, out):  # pragma: no cover - compiled
+    # x, out [N, D]; w [D] or empty (unweighted)
+    n, d = x.shape
+    weighted = w.shape[0] > 0
+    for t in range(n):
+        s = np.float32(0.0)
+        for i in range(d):
+            s += x[t, i] * x[t, i]
+        r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(d) + np.float32(eps)))
+        if weighted:
+            for i in range(d):
+                out[t, i] = x[t, i] * r * w[i]
+        else:
+            for i in range(d):
+                out[t, i] = x[t, i] * r
+
+
+rms_norm = _jit(_rms_norm)
+
+
+# --- mHC --------------------------------------------------------------------------------------------------
+def _mhc_row(m, scale, base, hc, hc_eps, iters, out):  # pragma: no cover - compiled
+    # m [(2+hc)*hc] mixes of one token -> out: pre (sigmoid + eps) | post (2 * sigmoid) | comb (softmax per
+    # row + eps, then Sinkhorn-normalised), comb row-major.
     one = np.float32(1.0)
     eps = np.float32(hc_eps)
-    row = np.empty(hc, dtype=np.float32)
-    for t in range(mixes.shape[0]):
-        for i in range(hc):
-            out[t, i] = one / (one + np.float32(math.exp(-(mixes[t, i] * scale[0] + base[i])))) + eps
-            z = mixes[t, hc + i] * scale[1] + base[hc + i]
-            out[t, hc + i] = np.float32(2.0) / (one + np.float32(math.exp(-z)))
-        for i in range(hc):  # softmax over each row, + eps
-            top = np.float32(-np.inf)
-            for j in range(hc):
-                k = 2 * hc + i * hc + j
-                row[j] = mixes[t, k] * scale[2] + base[k]
-                top = max(top, row[j])
+    for i in range(hc):
+        out[i] = one / (one + np.float32(math.exp(-(m[i] * scale[0] + base[i])))) + eps
+        z = m[hc + i] * scale[1] + base[hc + i]
+        out[hc + i] = np.float32(2.0) / (one + np.float32(math.exp(-z)))
+    c0 = 2 * hc
+    for i in range(hc):  # softmax over each row, + eps
+        top = np.float32(-np.inf)
+        for j in range(hc):
+            k = c0 + i * hc + j
+            out[k] = m[k] * scale[2] + base[k]
+            top = max(top, out[k])
+        total = np.float32(0.0)
+        for j in range(hc):
+            k = c0 + i * hc + j
+            out[k] = np.float32(math.exp(out[k] - top))
+            total += out[k]
+        for j in range(hc):
+            out[c0 + i * hc + j] = out[c0 + i * hc + j] / total + eps
+    # Sinkhorn-Knopp: columns first, then rows and columns, `iters` times in all.
+    for it in range(2 * iters - 1):
+        by_row = it % 2 == 1
+        for a in range(hc):
             total = np.float32(0.0)
-            for j in range(hc):
-                row[j] = np.float32(math.exp(row[j] - top))
-                total += row[j]
-            for j in range(hc):
-                out[t, 2 * hc + i * hc + j] = row[j] / total + eps
-        # Sinkhorn-Knopp: columns first, then rows and columns, `iters` times in all.
-        for it in range(2 * iters - 1):
-            by_row = it % 2 == 1
-            for a in range(hc):
-                total = np.float32(0.0)
-                for b in range(hc):
-                    total += out[t, 2 * hc + a * hc + b] if by_row else out[t, 2 * hc + b * hc + a]
-                total += eps
-                for b in range(hc):
-                    if by_row:
-                        out[t, 2 * hc + a * hc + b] /= total
-                    else:
-                        out[t, 2 * hc + b * hc + a] /= total
+            for b in range(hc):
+                total += out[c0 + a * hc + b] if by_row else out[c0 + b * hc + a]
+            total += eps
+            for b in range(hc):
+                if by_row:
+                    out[c0 + a * hc + b] /= total
+                else:
+                    out[c0 + b * hc + a] /= total
 
 
-mhc_weights = numba.njit(cache=True, nogil=True)(_mhc_weights) if numba is not None else None
+_mhc_row_jit = _jit(_mhc_row)
+
+
+def _mhc_weights(mixes, scale, base, hc, hc_eps, iters, out):  # pragma: no cover - compiled
+    # mixes [T, (2+hc)*hc] float32 -> out [T, (2+hc)*hc], row by row
+    for t in range(mixes.shape[0]):
+        _mhc_row_jit(mixes[t], scale, base, hc, hc_eps, iters, out[t])
+
+
+mhc_weights = _jit(_mhc_weights)
+
+
+def _hc_pre(streams, raw, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out):  # pragma: no cover
+    # streams [T, hc, D]; raw [T, M] = flat streams @ fn^T (not yet RMS-scaled), M = (2+hc)*hc.
+    # weights_out [T, M]: pre | post | comb (see _mhc_row); x_out [T, D]: RMSNorm_w(sum_i pre_i * streams_i).
+    n, hc, d = streams.shape
+    m = np.empty(raw.shape[1], dtype=np.float32)
+    for t in range(n):
+        s = np.float32(0.0)
+        for i in range(hc):
+            for k in range(d):
+                s += streams[t, i, k] * streams[t, i, k]
+        r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(hc * d) + np.float32(norm_eps)))
+        for j in range(m.shape[0]):
+            m[j] = raw[t, j] * r
+        _mhc_row_jit(m, scale, base, hc, hc_eps, iters, weights_out[t])
+        s = np.float32(0.0)
+        for k in range(d):
+            v = np.float32(0.0)
+            for i in range(hc):
+                v += weights_out[t, i] * streams[t, i, k]
+            x_out[t, k] = v
+            s += v * v
+        r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(d) + np.float32(norm_eps)))
+        for k in range(d):
+            x_out[t, k] = x_out[t, k] * r * norm_w[k]
+
+
+hc_pre = _jit(_hc_pre)
+
+
+def _hc_post(block_out, streams, post, comb, out):  # pragma: no cover - compiled
+    # out[t, j] = post[t, j] * block_out[t] + sum_i comb[t, i, j] * streams[t, i]
+    n, hc, d = streams.shape
+    for t in range(n):
+        for j in range(hc):
+            p = post[t, j]
+            for k in range(d):
+                out[t, j, k] = p * block_out[t, k]
+            for i in range(hc):
+                c = comb[t, i, j]
+                for k in range(d):
+                    out[t, j, k] += c * streams[t, i, k]
+
+
+hc_post = _jit(_hc_post)
+
+
+# --- RoPE -------------------------------------------------------------------------------------------------
+def _norm_rope(x, w, eps, normalize, freqs, inverse, out):  # pragma: no cover - compiled
+    # x, out [T, H, D]; freqs [T, R/2, 2] (real, imaginary) of scale * e^(i*theta). With `normalize`, each
+    # head is first RMS-normalised over D (times w unless w is empty). Then the trailing R channels of every
+    # head are rotated in interleaved pairs (by -theta if `inverse`); the channels before them are kept.
+    n, h, d = x.shape
+    half = freqs.shape[1]
+    lead = d - 2 * half
+    weighted = w.shape[0] > 0
+    for t in range(n):
+        for a in range(h):
+            r = np.float32(1.0)
+            if normalize:
+                s = np.float32(0.0)
+                for k in range(d):
+                    s += x[t, a, k] * x[t, a, k]
+                r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(d) + np.float32(eps)))
+            for k in range(d):
+                out[t, a, k] = x[t, a, k] * r * w[k] if weighted else x[t, a, k] * r
+            for p in range(half):
+                c, s = freqs[t, p, 0], freqs[t, p, 1]
+                if inverse:
+                    s = -s
+                re, im = out[t, a, lead + 2 * p], out[t, a, lead + 2 * p + 1]
+                out[t, a, lead + 2 * p] = re * c - im * s
+                out[t, a, lead + 2 * p + 1] = re * s + im * c
+
+
+norm_rope = _jit(_norm_rope)
+
+
+# --- Linear for a few rows --------------------------------------------------------------------------------
+def _linear_rows(x, w, out, n):  # pragma: no cover - compiled
+    # out[:n] = x[:n] @ w^T for x [>=n, K], w [J, K]: four rows of x per pass over w (each weight row is read
+    # once per pass). All three must be C-contiguous for the inner loops to vectorise.
+    k_dim = x.shape[1]
+    rows = w.shape[0]
+    t = 0
+    while t + 4 <= n:
+        for j in range(rows):
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            s3 = np.float32(0.0)
+            for k in range(k_dim):
+                v = w[j, k]
+                s0 += v * x[t, k]
+                s1 += v * x[t + 1, k]
+                s2 += v * x[t + 2, k]
+                s3 += v * x[t + 3, k]
+            out[t, j] = s0
+            out[t + 1, j] = s1
+            out[t + 2, j] = s2
+            out[t + 3, j] = s3
+        t += 4
+    while t < n:
+        for j in range(rows):
+            s = np.float32(0.0)
+            for k in range(k_dim):
+                s += w[j, k] * x[t, k]
+            out[t, j] = s
+        t += 1
+
+
+_linear_rows_jit = _jit(_linear_rows)
+
+
+def _linear(x, w, out):  # pragma: no cover - compiled
+    _linear_rows_jit(x, w, out, x.shape[0])
+
+
+linear = _jit(_linear)
+
+
+def _grouped_linear(x, w, out):  # pragma: no cover - compiled
+    # out [T, G, J] = per group g: x[:, g] [T, K] @ w[g] [J, K]^T
+    n, groups = x.shape[0], x.shape[1]
+    part = np.empty((n, x.shape[2]), dtype=np.float32)
+    res = np.empty((n, w.shape[1]), dtype=np.float32)
+    for g in range(groups):
+        part[:] = x[:, g]
+        _linear_rows_jit(part, w[g], res, n)
+        out[:, g] = res
+
+
+grouped_linear = _jit(_grouped_linear)
+
+
+# --- MoE for a few tokens --------------------------------------------------------------------------------
+def _silu_glu(g, u, limit):  # pragma: no cover - compiled
+    g = min(g, limit)
+    u = min(max(u, -limit), limit)
+    return g / (np.float32(1.0) + np.float32(math.exp(-g))) * u
+
+
+_silu_glu_jit = _jit(_silu_glu)
+
+
+def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13, w2, sw1, sw3, sw2, limit, out):
+    # (compiled) The whole MoE for a decode-sized batch: per token, router scores (0 = sqrt(softplus),
+    # 1 = sigmoid, 2 = softmax) and top-k by score + bias (or the hash table when tid2eid is not empty),
+    # weights normalised and times route_scale; then per expert, its tokens through its SwiGLU (each expert's
+    # weights read once), and the shared expert over all tokens.
+    # x, out [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; sw1/sw3 [I', H]; sw2 [H, I'].
+    n, hidden = x.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    scores = np.empty(num_experts, dtype=np.float32)
+    keyed = np.empty(num_experts, dtype=np.float32)
+    counts = np.zeros(num_experts + 1, dtype=np.int64)
+    chosen = np.empty((n, top_k), dtype=np.int64)
+    weight = np.empty((n, top_k), dtype=np.float32)
+    logits = np.empty((n, num_experts), dtype=np.float32)
+    _linear_rows_jit(x, gate_w, logits, n)
+    for t in range(n):
+        for e in range(num_experts):
+            z = logits[t, e]
+            if scoring == 0:
+                sp = z + np.float32(math.log1p(math.exp(-z))) if z > 0 else np.float32(math.log1p(math.exp(z)))
+                scores[e] = np.float32(math.sqrt(sp))
+            elif scoring == 1:
+                scores[e] = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-z)))
+            else:
+                scores[e] = z
+        if scoring == 2:
+            top = scores.max()
+            total = np.float32(0.0)
+            for e in range(num_experts):
+                scores[e] = np.float32(math.exp(scores[e] - top))
+                total += scores[e]
+            for e in range(num_experts):
+                scores[e] /= total
+        if tid2eid.shape[0] > 0:
+            for j in range(top_k):
+                chosen[t, j] = tid2eid[ids[t], j]
+        else:
+            for e in range(num_experts):
+                keyed[e] = scores[e] + bias[e]
+            for j in range(top_k):  # the largest remaining, lowest index first on ties
+                best = 0
+                for e in range(1, num_experts):
+                    if keyed[e] > keyed[best]:
+                        best = e
+                chosen[t, j] = best
+                keyed[best] = -np.inf
+        total = np.float32(0.0)
+        for j in range(top_k):
+            total += scores[chosen[t, j]]
+        for j in range(top_k):
+            weight[t, j] = scores[chosen[t, j]] / (total + np.float32(1e-20)) * np.float32(route_scale)
+            counts[chosen[t, j] + 1] += 1
+    # Bucket the (token, k) pairs by expert.
+    for e in range(num_experts):
+        counts[e + 1] += counts[e]
+    fill = counts[:num_experts].copy()
+    token_of = np.empty(n * top_k, dtype=np.int64)
+    weight_of = np.empty(n * top_k, dtype=np.float32)
+    for t in range(n):
+        for j in range(top_k):
+            e = chosen[t, j]
+            token_of[fill[e]] = t
+            weight_of[fill[e]] = weight[t, j]
+            fill[e] += 1
+    # The shared expert first: it writes every row of out.
+    shared = sw1.shape[0]
+    gates, ups = np.empty((n, shared), dtype=np.float32), np.empty((n, shared), dtype=np.float32)
+    _linear_rows_jit(x, sw1, gates, n)
+    _linear_rows_jit(x, sw3, ups, n)
+    for t in range(n):
+        for i in range(shared):
+            gates[t, i] = _silu_glu_jit(gates[t, i], ups[t, i], limit)
+    _linear_rows_jit(gates, sw2, out, n)
+    rows = np.empty((n * top_k, hidden), dtype=np.float32)
+    both = np.empty((n * top_k, 2 * inter), dtype=np.float32)
+    act = np.empty((n * top_k, inter), dtype=np.float32)
+    ys = np.empty((n * top_k, hidden), dtype=np.float32)
+    for e in range(num_experts):
+        first, m = counts[e], counts[e + 1] - counts[e]
+        if m == 0:
+            continue
+        for r in range(m):
+            for k in range(hidden):
+                rows[r, k] = x[token_of[first + r], k]
+        _linear_rows_jit(rows, w13[e], both, m)
+        for r in range(m):
+            for i in range(inter):
+                act[r, i] = _silu_glu_jit(both[r, i], both[r, inter + i], limit) * weight_of[first + r]
+        _linear_rows_jit(act, w2[e], ys, m)
+        for r in range(m):
+            t = token_of[first + r]
+            for k in range(hidden):
+                out[t, k] += ys[r, k]
+
+
+moe_tokens = _jit(_moe_tokens)
+
+
+# --- attention over a step's query blocks -----------------------------------------------------------------
+def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, visible, chosen, sink, scale,
+            freqs, out):  # fmt: skip
+    # (compiled) Shared-KV attention (keys = values) for one group of query blocks, see model/batch.py:
+    #   q [T, H, D] RoPE'd queries; window keys are store rows key_index[b, :] masked by key_mask[b, i, :],
+    #   where the store is ring [Rr, D] followed by new_kv [T, D]; then the compressed rows rows[slot[b], :n]
+    #   with n = visible[b, i], restricted to chosen[b, i, :] when chosen is not empty (the indexer's top-k).
+    # Each head has a sink logit (probability mass, no value). The output is rotated back by RoPE (the
+    # inverse of freqs at the query's token) and written to out[q_rows[b, i]].
+    num_blocks, block = q_rows.shape
+    heads, dim = q.shape[1], q.shape[2]
+    ring_rows = ring.shape[0]
+    width = key_index.shape[1]
+    most = rows.shape[1]
+    probs = np.empty(width + most, dtype=np.float32)
+    acc = np.empty(dim, dtype=np.float32)
+    half = freqs.shape[1]
+    lead = dim - 2 * half
+    picked = chosen.shape[0] > 0
+    for b in range(num_blocks):
+        for i in range(block):
+            if not q_valid[b, i]:
+                continue
+            t = q_rows[b, i]
+            n = visible[b, i]
+            for h in range(heads):
+                top = sink[h]
+                for k in range(width):
+                    if key_mask[b, i, k]:
+                        r = key_index[b, k]
+                        s = np.float32(0.0)
+                        if r < ring_rows:
+                            for d in range(dim):
+                                s += q[t, h, d] * ring[r, d]
+                        else:
+                            for d in range(dim):
+                                s += q[t, h, d] * new_kv[r - ring_rows, d]
+                        s *= scale
+                        probs[k] = s
+                        top = max(top, s)
+                for c in range(n):
+                    if picked and not chosen[b, i, c]:
+                        continue
+                    s = np.float32(0.0)
+                    for d in range(dim):
+                        s += q[t, h, d] * rows[slot[b], c, d]
+                    s *= scale
+                    probs[width + c] = s
+                    top = max(top, s)
+                total = np.float32(math.exp(sink[h] - top))
+                for d in range(dim):
+                    acc[d] = np.float32(0.0)
+                for k in range(width):
+                    if key_mask[b, i, k]:
+                        p = np.float32(math.exp(probs[k] - top))
+                        total += p
+                        r = key_index[b, k]
+                        if r < ring_rows:
+                            for d in range(dim):
+                                acc[d] += p * ring[r, d]
+                        else:
+                            for d in range(dim):
+                                acc[d] += p * new_kv[r - ring_rows, d]
+                for c in range(n):
+                    if picked and not chosen[b, i, c]:
+                        continue
+                    p = np.float32(math.exp(probs[width + c] - top))
+                    total += p
+                    for d in range(dim):
+                        acc[d] += p * rows[slot[b], c, d]
+                inv = np.float32(1.0) / total
+                for d in range(lead):
+                    out[t, h, d] = acc[d] * inv
+                for p2 in range(half):  # inverse RoPE: multiply by conj(freqs)
+                    cr, ci = freqs[t, p2, 0], freqs[t, p2, 1]
+                    re, im = acc[lead + 2 * p2] * inv, acc[lead + 2 * p2 + 1] * inv
+                    out[t, h, lead + 2 * p2] = re * cr + im * ci
+                    out[t, h, lead + 2 * p2 + 1] = im * cr - re * ci
+
+
+attend = _jit(_attend)

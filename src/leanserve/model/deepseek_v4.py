@@ -17,7 +17,7 @@ from leanserve.model.batch import ForwardBatch
 from leanserve.model.block import Block
 from leanserve.model.cache import CacheGeometry, LayerCache, allocate_layer_cache
 from leanserve.model.hyper import hc_head
-from leanserve.model.layers import RMSNorm, Rotary, fp32_param
+from leanserve.model.layers import Linear, RMSNorm, Rotary, fp32_param
 from leanserve.model.mtp import MTPBlock
 
 
@@ -58,7 +58,7 @@ class DeepseekV4(nn.Module):
             self.hc_head_fn = fp32_param(cfg.hc_mult, cfg.hc_dim)
             self.hc_head_base = fp32_param(cfg.hc_mult)
             self.hc_head_scale = fp32_param(1)
-            self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleDict({"0": MTPBlock(cfg)}) if with_mtp else None
         kinds = {b.layer_type for b in self.layers.values()}
         rope_dim = cfg.qk_rope_head_dim

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from leanserve.model import cpu_kernels
-from leanserve.model.layers import rms_norm
+from leanserve.model.layers import linear, rms_norm
 
 
 def hc_pre(
@@ -24,12 +24,22 @@ def hc_pre(
     norm_eps: float,
     hc_eps: float,
     sinkhorn_iters: int,
+    norm_weight: torch.Tensor,  # [D]: the block's RMSNorm of its input (attn_norm / ffn_norm)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (block input [T, D], post [T, hc], comb [T, hc, hc]); post and comb in float32."""
+    """Returns (normalised block input [T, D], post [T, hc], comb [T, hc, hc]); post and comb in float32."""
+    hc = streams.shape[1]
+    if cpu_kernels.fast(streams, fn, norm_weight):
+        # RMS-normalising the flat streams scales each row of the mixes by one number, so the kernel applies
+        # it after the projection; it also collapses the streams and normalises the block input.
+        raw = linear(streams.flatten(1), fn)  # [T, (2+hc)*hc]
+        weights, x = torch.empty_like(raw), streams.new_empty(streams.shape[0], streams.shape[2])
+        params = scale.detach().numpy(), base.detach().numpy(), hc_eps, sinkhorn_iters, norm_eps
+        cpu_kernels.hc_pre(streams.numpy(), raw.numpy(), *params, norm_weight.numpy(), x.numpy(), weights.numpy())
+        return x, weights[:, hc : 2 * hc], weights[:, 2 * hc :].unflatten(-1, (hc, hc))
     mixes = F.linear(rms_norm(streams.flatten(1).float(), norm_eps), fn.float())  # [T, (2+hc)*hc]
-    pre, post, comb = mhc_weights(mixes, scale, base, streams.shape[1], hc_eps, sinkhorn_iters)
+    pre, post, comb = mhc_weights(mixes, scale, base, hc, hc_eps, sinkhorn_iters)
     collapsed = torch.bmm(pre.unsqueeze(1).to(streams.dtype), streams).squeeze(1)  # sum_i pre_i * x_i
-    return collapsed, post, comb
+    return rms_norm(collapsed, norm_eps, norm_weight), post, comb
 
 
 def mhc_weights(
@@ -67,6 +77,10 @@ def hc_post(
     post: torch.Tensor,  # [T, hc]
     comb: torch.Tensor,  # [T, hc, hc]
 ) -> torch.Tensor:
+    if cpu_kernels.fast(block_out, streams, strided=(post, comb)):
+        out = torch.empty_like(streams)
+        cpu_kernels.hc_post(block_out.numpy(), streams.numpy(), post.numpy(), comb.numpy(), out.numpy())
+        return out
     dtype = streams.dtype
     # out[j] = post[j] * f(x) + sum_i comb[i, j] * x[i]  (comb is applied transposed)
     mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)

@@ -9,11 +9,43 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanserve.config import RopeConfig
+from leanserve.model import cpu_kernels
 
 
 def fp32_param(*shape: int) -> nn.Parameter:
     # Small parameters DeepSeek keeps in float32 whatever the model dtype (norms, mHC, sinks, biases).
     return nn.Parameter(torch.zeros(*shape, dtype=torch.float32))
+
+
+# Up to this many rows, a linear layer runs as a compiled loop on the CPU: at these sizes torch's matmul
+# costs several times the arithmetic in call and packing overhead (decode steps).
+FEW_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight[out, in]^T."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= FEW_ROWS and cpu_kernels.fast(x, weight):
+        out = x.new_empty(*x.shape[:-1], weight.shape[0])
+        cpu_kernels.linear(x.view(rows, x.shape[-1]).numpy(), weight.numpy(), out.view(rows, weight.shape[0]).numpy())
+        return out
+    return F.linear(x, weight)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, G, in], weight [G, out, in] -> [T, G, out]: group g of every row times weight[g]^T."""
+    if x.shape[0] <= FEW_ROWS and cpu_kernels.fast(x, weight):
+        out = x.new_empty(x.shape[0], x.shape[1], weight.shape[1])
+        cpu_kernels.grouped_linear(x.numpy(), weight.numpy(), out.numpy())
+        return out
+    return torch.einsum("tgi,goi->tgo", x, weight)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (no bias here) through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -24,12 +56,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
+        return rms_norm(x, self.eps, self.weight)
 
 
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    # Unweighted RMSNorm over the last dim; the statistic is computed in float32.
-    return F.rms_norm(x, (x.shape[-1],), None, eps)
+def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim (times `weight` if given), computed in float32, returned in x's dtype."""
+    if cpu_kernels.fast(x) and (weight is None or cpu_kernels.fast(weight)):
+        flat = x.view(x.numel() // x.shape[-1], x.shape[-1])
+        out = torch.empty_like(flat)
+        cpu_kernels.rms_norm(flat.numpy(), cpu_kernels.np_(weight), eps, out.numpy())
+        return out.view(x.shape)
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
@@ -77,9 +114,18 @@ class Rotary(nn.Module):
         return self.freqs[positions]  # [..., rope_dim / 2] complex
 
 
+def norm_rope(x: torch.Tensor, freqs: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """apply_rope(rms_norm(x, eps, weight), freqs), in one pass on the CPU kernels' path."""
+    if cpu_kernels.fast(x) and (weight is None or cpu_kernels.fast(weight)):
+        return _rope_kernel(x, freqs, False, True, eps, weight)
+    return apply_rope(rms_norm(x, eps, weight), freqs)
+
+
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x: [N, ..., D]; freqs from Rotary.table, [N, rope_dim/2], broadcast over the middle dims. Rotates the
     trailing rope_dim channels in interleaved pairs (as complex numbers); `inverse` rotates by -angle."""
+    if cpu_kernels.fast(x):
+        return _rope_kernel(x, freqs, inverse, False, 0.0, None)
     rope_dim = 2 * freqs.shape[-1]
     freqs = freqs.view((freqs.shape[0],) + (1,) * (x.dim() - 2) + (-1,))
     if inverse:
@@ -92,3 +138,11 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> t
         rotated = torch.view_as_complex(rope.float().unflatten(-1, (-1, 2))) * freqs
         rope.copy_(torch.view_as_real(rotated).flatten(-2))
     return out
+
+
+def _rope_kernel(x, freqs, inverse: bool, normalize: bool, eps: float, weight) -> torch.Tensor:
+    flat = x.view(x.shape[0], x[0].numel() // x.shape[-1] if x.shape[0] else 1, x.shape[-1])  # [N, heads, D]
+    out = torch.empty_like(flat)
+    angles = torch.view_as_real(freqs.contiguous()).numpy()  # [N, rope_dim/2, 2]
+    cpu_kernels.norm_rope(flat.numpy(), cpu_kernels.np_(weight), eps, normalize, angles, inverse, out.numpy())
+    return out.view(x.shape)

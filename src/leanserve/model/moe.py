@@ -6,12 +6,20 @@ Routed tokens are grouped by expert and run as one grouped matmul per projection
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from leanserve.config import HASH_MOE, ModelConfig
-from leanserve.model.layers import fp32_param
+from leanserve.model import cpu_kernels
+from leanserve.model.layers import Linear, fp32_param, linear
+
+# Up to this many tokens, the CPU runs the whole MoE as one compiled loop over tokens (decode batches),
+# reading each chosen expert's weights once per token; above it, batched matmuls over tokens grouped by expert.
+FEW_TOKENS = 64
+SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+NO_TABLE = np.empty((0, 0), dtype=np.int64)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -39,7 +47,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, k] float32, expert ids [T, k])."""
-        scores = score(F.linear(x, self.weight).float(), self.scoring_func)  # [T, E]
+        scores = score(linear(x, self.weight).float(), self.scoring_func)  # [T, E]
         if self.is_hash:
             experts = self.tid2eid[input_ids]
         else:
@@ -62,11 +70,38 @@ class Experts(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
         token_of = order // experts.shape[1]
-        ends = torch.cumsum(torch.bincount(flat, minlength=self.w13.shape[0]), 0)
-        gate, up = grouped_mm(x[token_of], self.w13, ends).chunk(2, dim=-1)  # [N, I] each
-        ys = grouped_mm(swiglu(gate, up, self.limit), self.w2, ends)  # [N, hidden]
+        counts = torch.bincount(flat, minlength=self.w13.shape[0])
+        rows = x[token_of]
+        ys = padded_experts(rows, counts, self.w13, self.w2, self.limit)
+        if ys is None:
+            ends = torch.cumsum(counts, 0)
+            gate, up = grouped_mm(rows, self.w13, ends).chunk(2, dim=-1)  # [N, I] each
+            ys = grouped_mm(swiglu(gate, up, self.limit), self.w2, ends)  # [N, hidden]
         ys *= weights.flatten()[order, None].to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, ys)
+
+
+def padded_experts(
+    rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float
+) -> torch.Tensor | None:
+    """The experts as two batched matmuls over [E, M, ...], every expert's rows padded to the largest count M:
+    rows [N, hidden] grouped by expert, counts [E] -> [N, hidden]. On the CPU this beats a grouped matmul
+    once the padding is at most half the work (decode batches); None when it would not (tiny or skewed
+    batches, long prefills), or off the CPU."""
+    num_experts, n = counts.shape[0], rows.shape[0]
+    if rows.device.type != "cpu" or n < num_experts:
+        return None
+    most = int(counts.max())
+    if num_experts * most > 2 * n or most > 256:
+        return None
+    starts = torch.cumsum(counts, 0) - counts
+    expert_of = torch.repeat_interleave(torch.arange(num_experts), counts)
+    slot = expert_of * most + torch.arange(n) - starts[expert_of]  # row i -> its place in [E * M]
+    padded = rows.new_zeros(num_experts * most, rows.shape[1])
+    padded[slot] = rows
+    gate, up = torch.bmm(padded.view(num_experts, most, -1), w13.transpose(1, 2)).chunk(2, dim=-1)
+    out = torch.bmm(swiglu(gate, up, limit), w2.transpose(1, 2))  # [E, M, hidden]
+    return out.view(num_experts * most, -1)[slot]
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -88,9 +123,9 @@ class SharedExpert(nn.Module):
         super().__init__()
         hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.limit = cfg.swiglu_limit
-        self.w1 = nn.Linear(hidden, inter, bias=False)
-        self.w2 = nn.Linear(inter, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.w1 = Linear(hidden, inter, bias=False)
+        self.w2 = Linear(inter, hidden, bias=False)
+        self.w3 = Linear(hidden, inter, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
@@ -104,5 +139,18 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(cfg)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= FEW_TOKENS and cpu_kernels.fast(x):
+            return self._few_tokens(x, input_ids)
         weights, experts = self.gate(x, input_ids)
         return self.experts(x, weights, experts) + self.shared_experts(x)
+
+    def _few_tokens(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        gate, experts, shared = self.gate, self.experts, self.shared_experts
+        out = torch.empty_like(x)
+        table = gate.tid2eid.numpy() if gate.is_hash else NO_TABLE
+        cpu_kernels.moe_tokens(
+            x.numpy(), input_ids.numpy(), gate.weight.numpy(), cpu_kernels.np_(None if gate.is_hash else gate.bias),
+            table, gate.top_k, SCORING[gate.scoring_func], gate.scale, experts.w13.numpy(), experts.w2.numpy(),
+            shared.w1.weight.numpy(), shared.w3.weight.numpy(), shared.w2.weight.numpy(), experts.limit, out.numpy(),
+        )  # fmt: skip
+        return out

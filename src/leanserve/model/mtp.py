@@ -5,7 +5,6 @@ top-k MoE), norms, projections and hc_head."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from leanserve.config import MOE, SLIDING, ModelConfig
 from leanserve.model.attention import Rope
@@ -13,7 +12,7 @@ from leanserve.model.batch import ForwardBatch
 from leanserve.model.block import Block
 from leanserve.model.cache import LayerCache
 from leanserve.model.hyper import hc_head
-from leanserve.model.layers import RMSNorm, fp32_param
+from leanserve.model.layers import Linear, RMSNorm, fp32_param
 
 
 class MTPBlock(Block):
@@ -22,8 +21,8 @@ class MTPBlock(Block):
         hidden = cfg.hidden_size
         self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.e_proj = nn.Linear(hidden, hidden, bias=False)
-        self.h_proj = nn.Linear(hidden, hidden, bias=False)
+        self.e_proj = Linear(hidden, hidden, bias=False)
+        self.h_proj = Linear(hidden, hidden, bias=False)
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.hc_head_fn = fp32_param(cfg.hc_mult, cfg.hc_dim)
         self.hc_head_base = fp32_param(cfg.hc_mult)
