@@ -1,5 +1,6 @@
 """The numba CPU kernels agree with their torch reference."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,3 +140,29 @@ def test_engine_with_kernels_matches_torch_path():
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             for tok in x:
                 assert abs(x[tok].logprob - y[tok].logprob) < 1e-4
+
+
+def test_index_select_matches_torch_with_ties():
+    from types import SimpleNamespace
+
+    from leanserve.model.compressor import Indexer
+
+    gen = torch.Generator().manual_seed(11)
+    heads, dim, topk, n = 4, 8, 5, 12
+    indexer = Indexer(16, 8, heads, dim, topk, 4, 1e-6)
+    q = torch.randn(6, heads, dim, generator=gen)
+    head_w = torch.randn(6, heads, generator=gen)
+    keys = torch.randn(3, n, dim, generator=gen)
+    keys[1, 3:9] = 0.0  # rows scoring exactly 0: ties the choice must break by row order
+    q_rows = torch.tensor([[0, 1, 2], [3, 4, 0]])
+    q_valid = torch.tensor([[True, True, True], [True, True, False]])
+    slot = torch.tensor([1, 2])
+    visible = torch.tensor([[12, 4, 9], [11, 12, 0]])
+    group = SimpleNamespace(gather=lambda x: x[q_rows], block_slot=slot)
+    mask = (torch.arange(n) < visible[..., None]) & q_valid[..., None]
+    ref = indexer.select((q, head_w), group, keys, mask)
+    fast = torch.from_numpy(np.empty((2, 3, n), dtype=np.bool_))
+    cpu_kernels.index_select(q.numpy(), head_w.numpy(), q_rows.numpy(), q_valid.numpy(), slot.numpy(), keys.numpy(),
+                             visible.numpy(), topk, dim**-0.5, fast.numpy())  # fmt: skip
+    assert torch.equal(fast, ref)
+    assert int(fast[0, 0].sum()) == topk and int(fast[0, 1].sum()) == 4

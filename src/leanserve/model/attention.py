@@ -133,7 +133,12 @@ class Attention(nn.Module):
             visible = g.visible[self.layer_type] if n else torch.zeros_like(g.q_rows)
             chosen = NO_CHOICE
             if index_queries is not None and n > self.indexer.topk:
-                chosen = self._visible_rows(g, cache, index_queries, n).numpy()
+                chosen = np.empty((*g.q_rows.shape, n), dtype=np.bool_)
+                cpu_kernels.index_select(
+                    index_queries[0].numpy(), index_queries[1].numpy(), g.q_rows.numpy(), g.q_valid.numpy(),
+                    g.block_slot.numpy(), cache.idx_rows.numpy(), visible.numpy(), self.indexer.topk,
+                    self.indexer.head_dim**-0.5, chosen,
+                )  # fmt: skip
             cpu_kernels.attend(
                 q.numpy(), ring.numpy(), new, g.q_rows.numpy(), g.q_valid.numpy(), g.key_index.numpy(),
                 g.key_mask.numpy(), g.block_slot.numpy(), rows, visible.numpy(), chosen, self.attn_sink.numpy(),

@@ -30,6 +30,7 @@ def _jit(fn):
 
 
 _enabled = numba is not None
+_F32 = torch.float32
 
 
 @contextlib.contextmanager
@@ -48,10 +49,13 @@ def fast(*tensors: torch.Tensor, strided: tuple[torch.Tensor, ...] = ()) -> bool
     (but for those in `strided`)."""
     if not _enabled:
         return False
-    for t in tensors + strided:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.requires_grad:
+    for t in tensors:
+        if t.dtype is not _F32 or not t.is_cpu or t.requires_grad or not t.is_contiguous():
             return False
-    return all(t.is_contiguous() for t in tensors)
+    for t in strided:
+        if t.dtype is not _F32 or not t.is_cpu or t.requires_grad:
+            return False
+    return True
 
 
 def np_(t: torch.Tensor | None) -> np.ndarray:
@@ -231,13 +235,23 @@ def _linear_rows(x, w, out, n):  # pragma: no cover - compiled
             out[t + 2, j] = s2
             out[t + 3, j] = s3
         t += 4
-    while t < n:
+    if t + 2 <= n:  # (speculative verification: two tokens per sequence)
+        for j in range(rows):
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            for k in range(k_dim):
+                v = w[j, k]
+                s0 += v * x[t, k]
+                s1 += v * x[t + 1, k]
+            out[t, j] = s0
+            out[t + 1, j] = s1
+        t += 2
+    if t < n:
         for j in range(rows):
             s = np.float32(0.0)
             for k in range(k_dim):
                 s += w[j, k] * x[t, k]
             out[t, j] = s
-        t += 1
 
 
 _linear_rows_jit = _jit(_linear_rows)
@@ -453,3 +467,39 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
 
 
 attend = _jit(_attend)
+
+
+def _index_select(q, head_w, q_rows, q_valid, slot, keys, visible, topk, scale, out):  # pragma: no cover
+    # (compiled) The Lightning Indexer's choice for one group of query blocks: score each visible compressed row
+    # c < visible[b, i] as sum_h head_w[t, h] * relu(q[t, h] . keys[slot[b], c]) * scale and keep the `topk`
+    # best (ties to the lower row), out [NB, Bq, n] bool. q [T, H, d], head_w [T, H], keys [slots, rows, d].
+    num_blocks, block = q_rows.shape
+    heads, dim = q.shape[1], q.shape[2]
+    n = out.shape[2]
+    scores = np.empty(n, dtype=np.float32)
+    for b in range(num_blocks):
+        for i in range(block):
+            for c in range(n):
+                out[b, i, c] = False
+            if not q_valid[b, i]:
+                continue
+            t = q_rows[b, i]
+            m = visible[b, i]
+            if m <= topk:
+                for c in range(m):
+                    out[b, i, c] = True
+                continue
+            for c in range(m):
+                total = np.float32(0.0)
+                for h in range(heads):
+                    s = np.float32(0.0)
+                    for d in range(dim):
+                        s += q[t, h, d] * keys[slot[b], c, d]
+                    total += max(s, np.float32(0.0)) * scale * head_w[t, h]
+                scores[c] = -total
+            order = np.argsort(scores[:m], kind="mergesort")  # stable: equal scores keep row order
+            for r in range(topk):
+                out[b, i, order[r]] = True
+
+
+index_select = _jit(_index_select)

@@ -42,10 +42,19 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (no bias here) through `linear`."""
+    """nn.Linear (no bias here) through `linear`; keeps a numpy view of its weight for the kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        weight = self.weight
+        rows = x.numel() // x.shape[-1]
+        if rows > FEW_ROWS or not cpu_kernels.fast(x, weight):
+            return F.linear(x, weight)
+        cached = self.__dict__.get("_numpy")
+        if cached is None or cached[0] != weight.data_ptr():  # new storage (loading, .data assignment)
+            cached = self.__dict__["_numpy"] = (weight.data_ptr(), weight.detach().numpy())
+        out = x.new_empty(*x.shape[:-1], weight.shape[0])
+        cpu_kernels.linear(x.view(rows, x.shape[-1]).numpy(), cached[1], out.view(rows, weight.shape[0]).numpy())
+        return out
 
 
 class RMSNorm(nn.Module):
