@@ -52,10 +52,7 @@ def fast(*tensors: torch.Tensor, strided: tuple[torch.Tensor, ...] = ()) -> bool
     for t in tensors:
         if t.dtype is not _F32 or not t.is_cpu or t.requires_grad or not t.is_contiguous():
             return False
-    for t in strided:
-        if t.dtype is not _F32 or not t.is_cpu or t.requires_grad:
-            return False
-    return True
+    return not any(t.dtype is not _F32 or not t.is_cpu or t.requires_grad for t in strided)
 
 
 def np_(t: torch.Tensor | None) -> np.ndarray:
