@@ -18,7 +18,7 @@ from torch import nn
 
 from leanserve.config import CSA, SLIDING, ModelConfig
 from leanserve.model import cpu_kernels
-from leanserve.model.batch import AttnGroup, ForwardBatch
+from leanserve.model.batch import ForwardBatch
 from leanserve.model.cache import LayerCache
 from leanserve.model.compressor import Compressor, Indexer
 from leanserve.model.layers import Linear, RMSNorm, apply_rope, fp32_param, grouped_linear, norm_rope
@@ -87,7 +87,7 @@ class Attention(nn.Module):
                 if any(g.max_visible[self.layer_type] > self.indexer.topk for g in fb.groups):
                     index_queries = self.indexer.queries(x, q_residual, rope)
         new_kv = None if fb.window_write_first else kv.to(ring.dtype)
-        if num_tokens <= FEW_QUERIES and cpu_kernels.fast(q, ring, new_kv if new_kv is not None else q):
+        if num_tokens <= FEW_QUERIES and cpu_kernels.fast(q, ring, new_kv):
             out = self._attend_kernel(q, ring, new_kv, fb, cache, index_queries, rope)
         else:
             out = self._attend_torch(q, ring, new_kv, fb, cache, index_queries, rope)
@@ -99,13 +99,6 @@ class Attention(nn.Module):
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, o_lora_rank, H*D/G]
         return self.wo_b(grouped_linear(grouped, w).flatten(1))
 
-    def _visible_rows(self, g: AttnGroup, cache: LayerCache, index_queries, n: int) -> torch.Tensor:
-        """[NB, Bq, n] bool: the compressed rows each query attends to (the indexer's top-k on CSA layers)."""
-        row_mask = torch.arange(n, device=g.q_rows.device) < g.visible[self.layer_type][..., None]
-        if index_queries is not None and n > self.indexer.topk:
-            row_mask = self.indexer.select(index_queries, g, cache.idx_rows, row_mask)
-        return row_mask
-
     def _attend_torch(self, q, ring, new_kv, fb: ForwardBatch, cache: LayerCache, index_queries, rope) -> torch.Tensor:
         store = ring if new_kv is None else torch.cat([ring, new_kv])
         out = None if fb.groups[0].is_identity else torch.empty_like(q)  # an identity group is the only one
@@ -114,8 +107,11 @@ class Attention(nn.Module):
             n = g.max_visible[self.layer_type] if self.compressor is not None else 0
             if n:
                 rows = cache.comp_rows[g.block_slot, :n]  # [NB, n, D]
+                row_mask = torch.arange(n, device=q.device) < g.visible[self.layer_type][..., None]  # [NB, Bq, n]
+                if index_queries is not None and n > self.indexer.topk:
+                    row_mask = self.indexer.select(index_queries, g, cache.idx_rows, row_mask)
                 keys = torch.cat([keys, rows.to(keys.dtype)], dim=1)
-                mask = torch.cat([mask, self._visible_rows(g, cache, index_queries, n)], dim=-1)
+                mask = torch.cat([mask, row_mask], dim=-1)
             attended = self._attend(g.gather(q), keys, mask)  # [NB, Bq, H, D]
             if g.is_identity:
                 out = attended.squeeze(1)
@@ -125,9 +121,10 @@ class Attention(nn.Module):
 
     def _attend_kernel(self, q, ring, new_kv, fb: ForwardBatch, cache: LayerCache, index_queries, rope):
         out = torch.empty_like(q)
-        new = cpu_kernels.EMPTY.reshape(0, 1) if new_kv is None else new_kv.numpy()
+        arrays = q.numpy(), ring.numpy(), cpu_kernels.EMPTY.reshape(0, 1) if new_kv is None else new_kv.numpy()
         angles = torch.view_as_real(rope.contiguous()).numpy()
         rows = cache.comp_rows.numpy() if cache.comp_rows is not None else NO_ROWS
+        sink, scale = self.attn_sink.numpy(), self.head_dim**-0.5
         for g in fb.groups:
             n = g.max_visible[self.layer_type] if self.compressor is not None else 0
             visible = g.visible[self.layer_type] if n else torch.zeros_like(g.q_rows)
@@ -140,9 +137,8 @@ class Attention(nn.Module):
                     self.indexer.head_dim**-0.5, chosen,
                 )  # fmt: skip
             cpu_kernels.attend(
-                q.numpy(), ring.numpy(), new, g.q_rows.numpy(), g.q_valid.numpy(), g.key_index.numpy(),
-                g.key_mask.numpy(), g.block_slot.numpy(), rows, visible.numpy(), chosen, self.attn_sink.numpy(),
-                self.head_dim**-0.5, angles, out.numpy(),
+                *arrays, g.q_rows.numpy(), g.q_valid.numpy(), g.key_index.numpy(), g.key_mask.numpy(),
+                g.block_slot.numpy(), rows, visible.numpy(), chosen, sink, scale, angles, out.numpy(),
             )  # fmt: skip
         return out
 

@@ -44,15 +44,25 @@ def disabled():
         _enabled = before
 
 
-def fast(*tensors: torch.Tensor, strided: tuple[torch.Tensor, ...] = ()) -> bool:
-    """True when the kernels can take these tensors: numba present, float32 CPU, no autograd, and contiguous
-    (but for those in `strided`)."""
+def fast(*tensors: torch.Tensor | None, strided: tuple[torch.Tensor, ...] = ()) -> bool:
+    """True when the kernels can take these tensors (None ones are absent): numba present, float32 CPU, no
+    autograd, and contiguous (but for those in `strided`)."""
     if not _enabled:
         return False
     for t in tensors:
-        if t.dtype is not _F32 or not t.is_cpu or t.requires_grad or not t.is_contiguous():
+        if t is not None and (t.dtype is not _F32 or not t.is_cpu or t.requires_grad or not t.is_contiguous()):
             return False
     return not any(t.dtype is not _F32 or not t.is_cpu or t.requires_grad for t in strided)
+
+
+def numpy_views(owner: object, *tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """Numpy views of an owner's persistent tensors (weights), kept on the owner and made again only when a
+    tensor's storage changes (loading, `.data` assignment): a view costs more than some kernels it feeds."""
+    ptrs = tuple(t.data_ptr() for t in tensors)
+    cached = owner.__dict__.get("_numpy_views")
+    if cached is None or cached[0] != ptrs:
+        cached = owner.__dict__["_numpy_views"] = (ptrs, tuple(t.detach().numpy() for t in tensors))
+    return cached[1]
 
 
 def np_(t: torch.Tensor | None) -> np.ndarray:

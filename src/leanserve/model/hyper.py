@@ -46,7 +46,7 @@ def mhc_weights(
     mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, hc_eps: float, sinkhorn_iters: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """pre = sigmoid + eps, post = 2 * sigmoid, comb = Sinkhorn(softmax + eps): [T, hc], [T, hc], [T, hc, hc]."""
-    if cpu_kernels.mhc_weights is not None and mixes.device.type == "cpu" and not mixes.requires_grad:
+    if cpu_kernels.fast(mixes, scale, base):
         # One compiled call instead of ~130 tiny torch ops (the Sinkhorn loop dominates a decode step).
         out = mixes.new_empty(mixes.shape[0], (2 + hc) * hc)  # pre | post | comb
         params = scale.detach().numpy(), base.detach().numpy()

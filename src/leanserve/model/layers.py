@@ -22,12 +22,13 @@ def fp32_param(*shape: int) -> nn.Parameter:
 FEW_ROWS = 16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight[out, in]^T."""
+def linear(x: torch.Tensor, weight: torch.Tensor, owner: nn.Module | None = None) -> torch.Tensor:
+    """x [..., in] @ weight[out, in]^T; `owner`, if given, keeps the weight's numpy view for the kernel."""
     rows = x.numel() // x.shape[-1]
     if rows <= FEW_ROWS and cpu_kernels.fast(x, weight):
+        w = cpu_kernels.numpy_views(owner, weight)[0] if owner is not None else weight.numpy()
         out = x.new_empty(*x.shape[:-1], weight.shape[0])
-        cpu_kernels.linear(x.view(rows, x.shape[-1]).numpy(), weight.numpy(), out.view(rows, weight.shape[0]).numpy())
+        cpu_kernels.linear(x.view(rows, x.shape[-1]).numpy(), w, out.view(rows, weight.shape[0]).numpy())
         return out
     return F.linear(x, weight)
 
@@ -42,19 +43,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (no bias here) through `linear`; keeps a numpy view of its weight for the kernel."""
+    """nn.Linear (no bias here) through `linear`, which keeps the weight's numpy view on the module."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        rows = x.numel() // x.shape[-1]
-        if rows > FEW_ROWS or not cpu_kernels.fast(x, weight):
-            return F.linear(x, weight)
-        cached = self.__dict__.get("_numpy")
-        if cached is None or cached[0] != weight.data_ptr():  # new storage (loading, .data assignment)
-            cached = self.__dict__["_numpy"] = (weight.data_ptr(), weight.detach().numpy())
-        out = x.new_empty(*x.shape[:-1], weight.shape[0])
-        cpu_kernels.linear(x.view(rows, x.shape[-1]).numpy(), cached[1], out.view(rows, weight.shape[0]).numpy())
-        return out
+        return linear(x, self.weight, self)
 
 
 class RMSNorm(nn.Module):
@@ -70,7 +62,7 @@ class RMSNorm(nn.Module):
 
 def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dim (times `weight` if given), computed in float32, returned in x's dtype."""
-    if cpu_kernels.fast(x) and (weight is None or cpu_kernels.fast(weight)):
+    if cpu_kernels.fast(x, weight):
         flat = x.view(x.numel() // x.shape[-1], x.shape[-1])
         out = torch.empty_like(flat)
         cpu_kernels.rms_norm(flat.numpy(), cpu_kernels.np_(weight), eps, out.numpy())
@@ -125,7 +117,7 @@ class Rotary(nn.Module):
 
 def norm_rope(x: torch.Tensor, freqs: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """apply_rope(rms_norm(x, eps, weight), freqs), in one pass on the CPU kernels' path."""
-    if cpu_kernels.fast(x) and (weight is None or cpu_kernels.fast(weight)):
+    if cpu_kernels.fast(x, weight):
         return _rope_kernel(x, freqs, False, True, eps, weight)
     return apply_rope(rms_norm(x, eps, weight), freqs)
 
@@ -150,7 +142,7 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> t
 
 
 def _rope_kernel(x, freqs, inverse: bool, normalize: bool, eps: float, weight) -> torch.Tensor:
-    flat = x.view(x.shape[0], x[0].numel() // x.shape[-1] if x.shape[0] else 1, x.shape[-1])  # [N, heads, D]
+    flat = x.view(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])  # [N, heads, D]
     out = torch.empty_like(flat)
     angles = torch.view_as_real(freqs.contiguous()).numpy()  # [N, rope_dim/2, 2]
     cpu_kernels.norm_rope(flat.numpy(), cpu_kernels.np_(weight), eps, normalize, angles, inverse, out.numpy())

@@ -1,7 +1,9 @@
 """DeepSeek-V4 MoE: routed experts (top-k by score + correction bias, or a frozen token-id hash table on
 hash layers), a shared expert, SwiGLU with clamped pre-activations, routed_scaling_factor.
 
-Routed tokens are grouped by expert and run as one grouped matmul per projection (no per-token loop).
+Routed tokens are grouped by expert (no per-token loop): on the CPU in float32 a decode-sized step is one
+compiled call (cpu_kernels.moe_tokens); otherwise two batched matmuls over experts padded to the largest
+count, or one grouped matmul per projection.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from torch import nn
 
 from leanserve.config import HASH_MOE, ModelConfig
 from leanserve.model import cpu_kernels
-from leanserve.model.layers import Linear, fp32_param, linear
+from leanserve.model.layers import Linear, fp32_param
 
 # Up to this many tokens, the CPU runs the whole MoE as one compiled loop over tokens (decode batches),
 # reading each chosen expert's weights once per token; above it, batched matmuls over tokens grouped by expert.
@@ -47,7 +49,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, k] float32, expert ids [T, k])."""
-        scores = score(linear(x, self.weight).float(), self.scoring_func)  # [T, E]
+        scores = score(F.linear(x, self.weight).float(), self.scoring_func)  # [T, E]
         if self.is_hash:
             experts = self.tid2eid[input_ids]
         else:
@@ -146,11 +148,13 @@ class MoE(nn.Module):
 
     def _few_tokens(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         gate, experts, shared = self.gate, self.experts, self.shared_experts
+        routing = (gate.tid2eid,) if gate.is_hash else (gate.bias,)
+        weights = (gate.weight, *routing, experts.w13, experts.w2, shared.w1.weight, shared.w3.weight, shared.w2.weight)
+        gate_w, route, w13, w2, sw1, sw3, sw2 = cpu_kernels.numpy_views(self, *weights)
+        bias, table = (cpu_kernels.EMPTY, route) if gate.is_hash else (route, NO_TABLE)
         out = torch.empty_like(x)
-        table = gate.tid2eid.numpy() if gate.is_hash else NO_TABLE
         cpu_kernels.moe_tokens(
-            x.numpy(), input_ids.numpy(), gate.weight.numpy(), cpu_kernels.np_(None if gate.is_hash else gate.bias),
-            table, gate.top_k, SCORING[gate.scoring_func], gate.scale, experts.w13.numpy(), experts.w2.numpy(),
-            shared.w1.weight.numpy(), shared.w3.weight.numpy(), shared.w2.weight.numpy(), experts.limit, out.numpy(),
+            x.numpy(), input_ids.numpy(), gate_w, bias, table, gate.top_k, SCORING[gate.scoring_func], gate.scale,
+            w13, w2, sw1, sw3, sw2, experts.limit, out.numpy(),
         )  # fmt: skip
         return out
