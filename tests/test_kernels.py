@@ -142,6 +142,27 @@ def test_engine_with_kernels_matches_torch_path():
                 assert abs(x[tok].logprob - y[tok].logprob) < 1e-4
 
 
+def test_threaded_kernels_match_one_thread():
+    # Each task of a threaded kernel writes only its own outputs (no races, no shared sums), at a batch large
+    # enough to take the threaded builds (decode of 20 sequences, MoE over 40 token-expert pairs, attention over
+    # 20 blocks): the same tokens, and logprobs that differ at most by float32 rounding (the two builds are
+    # compiled separately and may vectorise a sum in a different order).
+    from leanserve import LLM, SamplingParams
+
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate([5, 70, 23, 40] * 5)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True)
+    llm = LLM("models/dsv4-stdlib-8m", dtype="float32", max_model_len=128, max_num_seqs=20, load_progress=False)
+    threaded = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    with cpu_kernels.one_thread():
+        one = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for a, b in zip(threaded, one, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys()
+            for tok in x:
+                assert abs(x[tok].logprob - y[tok].logprob) < 1e-5
+
+
 def test_index_select_matches_torch_with_ties():
     from types import SimpleNamespace
 
@@ -162,7 +183,7 @@ def test_index_select_matches_torch_with_ties():
     mask = (torch.arange(n) < visible[..., None]) & q_valid[..., None]
     ref = indexer.select((q, head_w), group, keys, mask)
     fast = torch.from_numpy(np.empty((2, 3, n), dtype=np.bool_))
-    cpu_kernels.index_select(q.numpy(), head_w.numpy(), q_rows.numpy(), q_valid.numpy(), slot.numpy(), keys.numpy(),
+    cpu_kernels.index_select(q_rows.shape[0], q.numpy(), head_w.numpy(), q_rows.numpy(), q_valid.numpy(), slot.numpy(), keys.numpy(),
                              visible.numpy(), topk, dim**-0.5, fast.numpy())  # fmt: skip
     assert torch.equal(fast, ref)
     assert int(fast[0, 0].sum()) == topk and int(fast[0, 1].sum()) == 4

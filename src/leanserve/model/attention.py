@@ -132,11 +132,13 @@ class Attention(nn.Module):
             if index_queries is not None and n > self.indexer.topk:
                 chosen = np.empty((*g.q_rows.shape, n), dtype=np.bool_)
                 cpu_kernels.index_select(
+                    g.q_rows.shape[0],
                     index_queries[0].numpy(), index_queries[1].numpy(), g.q_rows.numpy(), g.q_valid.numpy(),
                     g.block_slot.numpy(), cache.idx_rows.numpy(), visible.numpy(), self.indexer.topk,
                     self.indexer.head_dim**-0.5, chosen,
                 )  # fmt: skip
             cpu_kernels.attend(
+                g.q_rows.shape[0],
                 *arrays, g.q_rows.numpy(), g.q_valid.numpy(), g.key_index.numpy(), g.key_mask.numpy(),
                 g.block_slot.numpy(), rows, visible.numpy(), chosen, sink, scale, angles, out.numpy(),
             )  # fmt: skip

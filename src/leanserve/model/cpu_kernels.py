@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 
 import numpy as np
 import torch
@@ -25,8 +26,69 @@ _FLAGS = {"reassoc", "contract", "nsz", "arcp"}
 EMPTY = np.empty(0, dtype=np.float32)  # "no weight"
 
 
-def _jit(fn):
-    return numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(fn) if numba is not None else None
+def _jit(fn, parallel: bool = False):
+    if numba is None:
+        return None
+    if parallel:  # numba's on-disk cache tells builds apart by function name, not by options: rename
+        fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_threaded", fn.__defaults__)
+        fn.__qualname__ = fn.__name__
+    return numba.njit(cache=True, nogil=True, fastmath=_FLAGS, parallel=parallel)(fn)
+
+
+prange = numba.prange if numba is not None else range
+
+
+class Threaded:
+    """A kernel compiled twice: for one thread, and with its outer `prange` loop spread over all cores. A call
+    `kernel(work, *args)` takes the threaded build when `work` (the caller's measure of the call's size, e.g.
+    tokens or multiply-adds) reaches `min_work`: below that, waking the other cores costs more than it saves.
+    Each iteration of a threaded loop writes only its own outputs: no races and no sums shared between threads.
+    (The two builds are compiled separately and may vectorise a sum in a different order: float32 rounding.)"""
+
+    def __init__(self, fn, min_work: int) -> None:
+        self.one, self.min_work = _jit(fn), min_work
+        self.all = _jit(fn, parallel=True) if numba is not None else None
+
+    def __call__(self, work: int, *args):
+        kernel = self.all if work >= self.min_work and _threads_ok() else self.one
+        return kernel(*args)
+
+
+_threaded_ok: bool | None = None
+_one_thread = False
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Runs every kernel's one-thread build (tests compare it with the threaded one)."""
+    global _one_thread
+    before, _one_thread = _one_thread, True
+    try:
+        yield
+    finally:
+        _one_thread = before
+
+
+def _threads_ok() -> bool:
+    """Whether threaded builds run: more than one core, and numba's OpenMP (or TBB) threading layer. Its
+    fallback layer (workqueue) costs more to wake than these kernels take, so it is not used."""
+    global _threaded_ok
+    if _one_thread:
+        return False
+    if _threaded_ok is None:
+        _threaded_ok = False
+        if numba.config.NUMBA_NUM_THREADS > 1:
+            _probe(np.zeros(2, dtype=np.float32))
+            _threaded_ok = numba.threading_layer() in ("omp", "tbb")
+    return _threaded_ok
+
+
+def _probe_fn(x):  # pragma: no cover - compiled
+    for i in prange(x.shape[0]):
+        x[i] += np.float32(1.0)
+
+
+_probe = _jit(_probe_fn, parallel=True)
 
 
 _enabled = numba is not None
@@ -74,7 +136,7 @@ def _rms_norm(x, w, eps, out):  # pragma: no cover - compiled
     # x, out [N, D]; w [D] or empty (unweighted)
     n, d = x.shape
     weighted = w.shape[0] > 0
-    for t in range(n):
+    for t in prange(n):
         s = np.float32(0.0)
         for i in range(d):
             s += x[t, i] * x[t, i]
@@ -87,93 +149,128 @@ def _rms_norm(x, w, eps, out):  # pragma: no cover - compiled
                 out[t, i] = x[t, i] * r
 
 
-rms_norm = _jit(_rms_norm)
+rms_norm = Threaded(_rms_norm, min_work=64)
 
 
 # --- mHC --------------------------------------------------------------------------------------------------
-def _mhc_row(m, scale, base, hc, hc_eps, iters, out):  # pragma: no cover - compiled
-    # m [(2+hc)*hc] mixes of one token -> out: pre (sigmoid + eps) | post (2 * sigmoid) | comb (softmax per
-    # row + eps, then Sinkhorn-normalised), comb row-major.
+# The mHC weights of LANES tokens are computed side by side, each value stored as m[entry, lane]: every step
+# of the Sinkhorn loop is then one vector operation over the lanes instead of a chain of scalar divisions.
+LANES = 8
+
+
+def _mhc_lanes(m, scale, base, hc, hc_eps, iters):  # pragma: no cover - compiled
+    # m [(2+hc)*hc, LANES] mixes, in place -> pre (sigmoid + eps) | post (2 * sigmoid) | comb (softmax per row
+    # + eps, then Sinkhorn-normalised; row-major).
     one = np.float32(1.0)
     eps = np.float32(hc_eps)
+    lanes = m.shape[1]
     for i in range(hc):
-        out[i] = one / (one + np.float32(math.exp(-(m[i] * scale[0] + base[i])))) + eps
-        z = m[hc + i] * scale[1] + base[hc + i]
-        out[hc + i] = np.float32(2.0) / (one + np.float32(math.exp(-z)))
+        for a in range(lanes):
+            m[i, a] = one / (one + np.float32(math.exp(-(m[i, a] * scale[0] + base[i])))) + eps
+            z = m[hc + i, a] * scale[1] + base[hc + i]
+            m[hc + i, a] = np.float32(2.0) / (one + np.float32(math.exp(-z)))
     c0 = 2 * hc
+    top = np.empty(lanes, dtype=np.float32)
+    total = np.empty(lanes, dtype=np.float32)
     for i in range(hc):  # softmax over each row, + eps
-        top = np.float32(-np.inf)
+        row = c0 + i * hc
+        top[:] = -np.inf
         for j in range(hc):
-            k = c0 + i * hc + j
-            out[k] = m[k] * scale[2] + base[k]
-            top = max(top, out[k])
-        total = np.float32(0.0)
+            for a in range(lanes):
+                m[row + j, a] = m[row + j, a] * scale[2] + base[row + j]
+                top[a] = max(top[a], m[row + j, a])
+        total[:] = 0.0
         for j in range(hc):
-            k = c0 + i * hc + j
-            out[k] = np.float32(math.exp(out[k] - top))
-            total += out[k]
+            for a in range(lanes):
+                m[row + j, a] = np.float32(math.exp(m[row + j, a] - top[a]))
+                total[a] += m[row + j, a]
         for j in range(hc):
-            out[c0 + i * hc + j] = out[c0 + i * hc + j] / total + eps
+            for a in range(lanes):
+                m[row + j, a] = m[row + j, a] / total[a] + eps
     # Sinkhorn-Knopp: columns first, then rows and columns, `iters` times in all.
     for it in range(2 * iters - 1):
         by_row = it % 2 == 1
-        for a in range(hc):
-            total = np.float32(0.0)
-            for b in range(hc):
-                total += out[c0 + a * hc + b] if by_row else out[c0 + b * hc + a]
-            total += eps
-            for b in range(hc):
-                if by_row:
-                    out[c0 + a * hc + b] /= total
-                else:
-                    out[c0 + b * hc + a] /= total
+        for x in range(hc):
+            total[:] = 0.0
+            for y in range(hc):
+                k = c0 + x * hc + y if by_row else c0 + y * hc + x
+                for a in range(lanes):
+                    total[a] += m[k, a]
+            for a in range(lanes):
+                total[a] += eps
+            for y in range(hc):
+                k = c0 + x * hc + y if by_row else c0 + y * hc + x
+                for a in range(lanes):
+                    m[k, a] /= total[a]
 
 
-_mhc_row_jit = _jit(_mhc_row)
+_mhc_lanes_jit = _jit(_mhc_lanes)
 
 
 def _mhc_weights(mixes, scale, base, hc, hc_eps, iters, out):  # pragma: no cover - compiled
-    # mixes [T, (2+hc)*hc] float32 -> out [T, (2+hc)*hc], row by row
-    for t in range(mixes.shape[0]):
-        _mhc_row_jit(mixes[t], scale, base, hc, hc_eps, iters, out[t])
+    # mixes [T, (2+hc)*hc] float32 -> out [T, (2+hc)*hc], LANES tokens at a time
+    n, width = mixes.shape
+    for blk in prange((n + LANES - 1) // LANES):
+        t0 = blk * LANES
+        lanes = min(LANES, n - t0)
+        m = np.zeros((width, LANES), dtype=np.float32)
+        for a in range(lanes):
+            for j in range(width):
+                m[j, a] = mixes[t0 + a, j]
+        _mhc_lanes_jit(m, scale, base, hc, hc_eps, iters)
+        for a in range(lanes):
+            for j in range(width):
+                out[t0 + a, j] = m[j, a]
 
 
-mhc_weights = _jit(_mhc_weights)
+mhc_weights = Threaded(_mhc_weights, min_work=2 * LANES)
 
 
 def _hc_pre(streams, raw, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out):  # pragma: no cover
     # streams [T, hc, D]; raw [T, M] = flat streams @ fn^T (not yet RMS-scaled), M = (2+hc)*hc.
-    # weights_out [T, M]: pre | post | comb (see _mhc_row); x_out [T, D]: RMSNorm_w(sum_i pre_i * streams_i).
+    # weights_out [T, M]: pre | post | comb (see _mhc_lanes); x_out [T, D]: RMSNorm_w(sum_i pre_i * streams_i).
     n, hc, d = streams.shape
-    m = np.empty(raw.shape[1], dtype=np.float32)
-    for t in range(n):
-        s = np.float32(0.0)
-        for i in range(hc):
-            for k in range(d):
-                s += streams[t, i, k] * streams[t, i, k]
-        r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(hc * d) + np.float32(norm_eps)))
-        for j in range(m.shape[0]):
-            m[j] = raw[t, j] * r
-        _mhc_row_jit(m, scale, base, hc, hc_eps, iters, weights_out[t])
-        s = np.float32(0.0)
-        for k in range(d):
-            v = np.float32(0.0)
+    width = raw.shape[1]
+    for blk in prange((n + LANES - 1) // LANES):
+        t0 = blk * LANES
+        lanes = min(LANES, n - t0)
+        m = np.zeros((width, LANES), dtype=np.float32)
+        for a in range(lanes):
+            t = t0 + a
+            s = np.float32(0.0)
             for i in range(hc):
-                v += weights_out[t, i] * streams[t, i, k]
-            x_out[t, k] = v
-            s += v * v
-        r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(d) + np.float32(norm_eps)))
-        for k in range(d):
-            x_out[t, k] = x_out[t, k] * r * norm_w[k]
+                for k in range(d):
+                    s += streams[t, i, k] * streams[t, i, k]
+            r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(hc * d) + np.float32(norm_eps)))
+            for j in range(width):
+                m[j, a] = raw[t, j] * r
+        _mhc_lanes_jit(m, scale, base, hc, hc_eps, iters)
+        for a in range(lanes):
+            t = t0 + a
+            for j in range(width):
+                weights_out[t, j] = m[j, a]
+            pre = m[0, a]
+            for k in range(d):
+                x_out[t, k] = pre * streams[t, 0, k]
+            for i in range(1, hc):
+                pre = m[i, a]
+                for k in range(d):
+                    x_out[t, k] += pre * streams[t, i, k]
+            s = np.float32(0.0)
+            for k in range(d):
+                s += x_out[t, k] * x_out[t, k]
+            r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(d) + np.float32(norm_eps)))
+            for k in range(d):
+                x_out[t, k] = x_out[t, k] * r * norm_w[k]
 
 
-hc_pre = _jit(_hc_pre)
+hc_pre = Threaded(_hc_pre, min_work=2 * LANES)
 
 
 def _hc_post(block_out, streams, post, comb, out):  # pragma: no cover - compiled
     # out[t, j] = post[t, j] * block_out[t] + sum_i comb[t, i, j] * streams[t, i]
     n, hc, d = streams.shape
-    for t in range(n):
+    for t in prange(n):
         for j in range(hc):
             p = post[t, j]
             for k in range(d):
@@ -184,7 +281,7 @@ def _hc_post(block_out, streams, post, comb, out):  # pragma: no cover - compile
                     out[t, j, k] += c * streams[t, i, k]
 
 
-hc_post = _jit(_hc_post)
+hc_post = Threaded(_hc_post, min_work=16)
 
 
 # --- RoPE -------------------------------------------------------------------------------------------------
@@ -196,7 +293,7 @@ def _norm_rope(x, w, eps, normalize, freqs, inverse, out):  # pragma: no cover -
     half = freqs.shape[1]
     lead = d - 2 * half
     weighted = w.shape[0] > 0
-    for t in range(n):
+    for t in prange(n):
         for a in range(h):
             r = np.float32(1.0)
             if normalize:
@@ -215,18 +312,43 @@ def _norm_rope(x, w, eps, normalize, freqs, inverse, out):  # pragma: no cover -
                 out[t, a, lead + 2 * p + 1] = re * s + im * c
 
 
-norm_rope = _jit(_norm_rope)
+norm_rope = Threaded(_norm_rope, min_work=16)
 
 
 # --- Linear for a few rows --------------------------------------------------------------------------------
 def _linear_rows(x, w, out, n):  # pragma: no cover - compiled
-    # out[:n] = x[:n] @ w^T for x [>=n, K], w [J, K]: four rows of x per pass over w (each weight row is read
-    # once per pass). All three must be C-contiguous for the inner loops to vectorise.
+    # out[:n] = x[:n] @ w^T for x [>=n, K], w [J, K]: four rows of x per pass over w, two weight rows at a
+    # time (eight sums in registers, six loads per eight multiply-adds). x and w must be C-contiguous for the
+    # inner loops to vectorise.
     k_dim = x.shape[1]
     rows = w.shape[0]
     t = 0
     while t + 4 <= n:
-        for j in range(rows):
+        j = 0
+        while j + 2 <= rows:
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            b0 = np.float32(0.0)
+            b1 = np.float32(0.0)
+            b2 = np.float32(0.0)
+            b3 = np.float32(0.0)
+            for k in range(k_dim):
+                v, u = w[j, k], w[j + 1, k]
+                x0, x1, x2, x3 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
+                a0 += v * x0
+                a1 += v * x1
+                a2 += v * x2
+                a3 += v * x3
+                b0 += u * x0
+                b1 += u * x1
+                b2 += u * x2
+                b3 += u * x3
+            out[t, j], out[t + 1, j], out[t + 2, j], out[t + 3, j] = a0, a1, a2, a3
+            out[t, j + 1], out[t + 1, j + 1], out[t + 2, j + 1], out[t + 3, j + 1] = b0, b1, b2, b3
+            j += 2
+        if j < rows:
             s0 = np.float32(0.0)
             s1 = np.float32(0.0)
             s2 = np.float32(0.0)
@@ -264,11 +386,19 @@ def _linear_rows(x, w, out, n):  # pragma: no cover - compiled
 _linear_rows_jit = _jit(_linear_rows)
 
 
+LINEAR_CHUNK = 64  # weight rows per task of the threaded linear
+
+
 def _linear(x, w, out):  # pragma: no cover - compiled
-    _linear_rows_jit(x, w, out, x.shape[0])
+    # out = x @ w^T, the weight's rows in chunks (one task each)
+    rows = w.shape[0]
+    for c in prange((rows + LINEAR_CHUNK - 1) // LINEAR_CHUNK):
+        j0, j1 = c * LINEAR_CHUNK, min(rows, (c + 1) * LINEAR_CHUNK)
+        _linear_rows_jit(x, w[j0:j1], out[:, j0:j1], x.shape[0])
 
 
-linear = _jit(_linear)
+# work = multiply-adds; below ~0.25M, one core finishes before a second would start
+linear = Threaded(_linear, min_work=1 << 18)
 
 
 def _grouped_linear(x, w, out):  # pragma: no cover - compiled
@@ -359,38 +489,55 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
             token_of[fill[e]] = t
             weight_of[fill[e]] = weight[t, j]
             fill[e] += 1
-    # The shared expert first: it writes every row of out.
+    # Tasks, spread over the cores: each expert that has tokens, and the shared expert in chunks of tokens
+    # about as large as an expert's share. Each task writes only its own rows: the routed experts' outputs go
+    # to ys (one row per (token, k) pair), the shared expert's straight to out.
     shared = sw1.shape[0]
-    gates, ups = np.empty((n, shared), dtype=np.float32), np.empty((n, shared), dtype=np.float32)
-    _linear_rows_jit(x, sw1, gates, n)
-    _linear_rows_jit(x, sw3, ups, n)
-    for t in range(n):
-        for i in range(shared):
-            gates[t, i] = _silu_glu_jit(gates[t, i], ups[t, i], limit)
-    _linear_rows_jit(gates, sw2, out, n)
-    rows = np.empty((n * top_k, hidden), dtype=np.float32)
-    both = np.empty((n * top_k, 2 * inter), dtype=np.float32)
-    act = np.empty((n * top_k, inter), dtype=np.float32)
-    ys = np.empty((n * top_k, hidden), dtype=np.float32)
+    chunks = min(n, max(1, num_experts // top_k))
+    tasks = np.empty(num_experts + chunks, dtype=np.int64)
+    num_tasks = 0
     for e in range(num_experts):
-        first, m = counts[e], counts[e + 1] - counts[e]
-        if m == 0:
+        if counts[e + 1] > counts[e]:
+            tasks[num_tasks] = e
+            num_tasks += 1
+    for c in range(chunks):
+        tasks[num_tasks] = num_experts + c
+        num_tasks += 1
+    pairs = n * top_k
+    rows = np.empty((pairs, hidden), dtype=np.float32)
+    both = np.empty((pairs, 2 * inter), dtype=np.float32)
+    act = np.empty((pairs, inter), dtype=np.float32)
+    ys = np.empty((pairs, hidden), dtype=np.float32)
+    for job in prange(num_tasks):
+        e = tasks[job]
+        if e >= num_experts:  # a chunk of tokens through the shared expert
+            c = e - num_experts
+            t0, t1 = c * n // chunks, (c + 1) * n // chunks
+            gates, ups = np.empty((t1 - t0, shared), dtype=np.float32), np.empty((t1 - t0, shared), dtype=np.float32)
+            _linear_rows_jit(x[t0:t1], sw1, gates, t1 - t0)
+            _linear_rows_jit(x[t0:t1], sw3, ups, t1 - t0)
+            for t in range(t1 - t0):
+                for i in range(shared):
+                    gates[t, i] = _silu_glu_jit(gates[t, i], ups[t, i], limit)
+            _linear_rows_jit(gates, sw2, out[t0:t1], t1 - t0)
             continue
-        for r in range(m):
+        first, last = counts[e], counts[e + 1]
+        for r in range(first, last):
             for k in range(hidden):
-                rows[r, k] = x[token_of[first + r], k]
-        _linear_rows_jit(rows, w13[e], both, m)
-        for r in range(m):
+                rows[r, k] = x[token_of[r], k]
+        _linear_rows_jit(rows[first:last], w13[e], both[first:last], last - first)
+        for r in range(first, last):
             for i in range(inter):
-                act[r, i] = _silu_glu_jit(both[r, i], both[r, inter + i], limit) * weight_of[first + r]
-        _linear_rows_jit(act, w2[e], ys, m)
-        for r in range(m):
-            t = token_of[first + r]
-            for k in range(hidden):
-                out[t, k] += ys[r, k]
+                act[r, i] = _silu_glu_jit(both[r, i], both[r, inter + i], limit) * weight_of[r]
+        _linear_rows_jit(act[first:last], w2[e], ys[first:last], last - first)
+    # Add the routed experts' outputs in expert order.
+    for r in range(pairs):
+        t = token_of[r]
+        for k in range(hidden):
+            out[t, k] += ys[r, k]
 
 
-moe_tokens = _jit(_moe_tokens)
+moe_tokens = Threaded(_moe_tokens, min_work=1)
 
 
 # --- attention over a step's query blocks -----------------------------------------------------------------
@@ -407,12 +554,12 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
     ring_rows = ring.shape[0]
     width = key_index.shape[1]
     most = rows.shape[1]
-    probs = np.empty(width + most, dtype=np.float32)
-    acc = np.empty(dim, dtype=np.float32)
     half = freqs.shape[1]
     lead = dim - 2 * half
     picked = chosen.shape[0] > 0
-    for b in range(num_blocks):
+    for b in prange(num_blocks):
+        probs = np.empty(width + most, dtype=np.float32)
+        acc = np.empty(dim, dtype=np.float32)
         for i in range(block):
             if not q_valid[b, i]:
                 continue
@@ -473,7 +620,8 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
                     out[t, h, lead + 2 * p2 + 1] = im * cr - re * ci
 
 
-attend = _jit(_attend)
+# work = query blocks
+attend = Threaded(_attend, min_work=2)
 
 
 def _index_select(q, head_w, q_rows, q_valid, slot, keys, visible, topk, scale, out):  # pragma: no cover
@@ -483,8 +631,8 @@ def _index_select(q, head_w, q_rows, q_valid, slot, keys, visible, topk, scale, 
     num_blocks, block = q_rows.shape
     heads, dim = q.shape[1], q.shape[2]
     n = out.shape[2]
-    scores = np.empty(n, dtype=np.float32)
-    for b in range(num_blocks):
+    for b in prange(num_blocks):
+        scores = np.empty(n, dtype=np.float32)
         for i in range(block):
             for c in range(n):
                 out[b, i, c] = False
@@ -509,4 +657,5 @@ def _index_select(q, head_w, q_rows, q_valid, slot, keys, visible, topk, scale, 
                 out[b, i, order[r]] = True
 
 
-index_select = _jit(_index_select)
+# work = query blocks
+index_select = Threaded(_index_select, min_work=2)

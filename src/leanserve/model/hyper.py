@@ -34,7 +34,9 @@ def hc_pre(
         raw = linear(streams.flatten(1), fn)  # [T, (2+hc)*hc]
         weights, x = torch.empty_like(raw), streams.new_empty(streams.shape[0], streams.shape[2])
         params = scale.detach().numpy(), base.detach().numpy(), hc_eps, sinkhorn_iters, norm_eps
-        cpu_kernels.hc_pre(streams.numpy(), raw.numpy(), *params, norm_weight.numpy(), x.numpy(), weights.numpy())
+        cpu_kernels.hc_pre(
+            streams.shape[0], streams.numpy(), raw.numpy(), *params, norm_weight.numpy(), x.numpy(), weights.numpy()
+        )
         return x, weights[:, hc : 2 * hc], weights[:, 2 * hc :].unflatten(-1, (hc, hc))
     mixes = F.linear(rms_norm(streams.flatten(1).float(), norm_eps), fn.float())  # [T, (2+hc)*hc]
     pre, post, comb = mhc_weights(mixes, scale, base, hc, hc_eps, sinkhorn_iters)
@@ -50,7 +52,9 @@ def mhc_weights(
         # One compiled call instead of ~130 tiny torch ops (the Sinkhorn loop dominates a decode step).
         out = mixes.new_empty(mixes.shape[0], (2 + hc) * hc)  # pre | post | comb
         params = scale.detach().numpy(), base.detach().numpy()
-        cpu_kernels.mhc_weights(mixes.detach().numpy(), *params, hc, hc_eps, sinkhorn_iters, out.numpy())
+        cpu_kernels.mhc_weights(
+            mixes.shape[0], mixes.detach().numpy(), *params, hc, hc_eps, sinkhorn_iters, out.numpy()
+        )
         return out[:, :hc], out[:, hc : 2 * hc], out[:, 2 * hc :].unflatten(-1, (hc, hc))
     return mhc_weights_torch(mixes, scale, base, hc, hc_eps, sinkhorn_iters)
 
@@ -79,7 +83,9 @@ def hc_post(
 ) -> torch.Tensor:
     if cpu_kernels.fast(block_out, streams, strided=(post, comb)):
         out = torch.empty_like(streams)
-        cpu_kernels.hc_post(block_out.numpy(), streams.numpy(), post.numpy(), comb.numpy(), out.numpy())
+        cpu_kernels.hc_post(
+            streams.shape[0], block_out.numpy(), streams.numpy(), post.numpy(), comb.numpy(), out.numpy()
+        )
         return out
     dtype = streams.dtype
     # out[j] = post[j] * f(x) + sum_i comb[i, j] * x[i]  (comb is applied transposed)

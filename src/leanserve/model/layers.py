@@ -19,7 +19,7 @@ def fp32_param(*shape: int) -> nn.Parameter:
 
 # Up to this many rows, a linear layer runs as a compiled loop on the CPU: at these sizes torch's matmul
 # costs several times the arithmetic in call and packing overhead (decode steps).
-FEW_ROWS = 16
+FEW_ROWS = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, owner: nn.Module | None = None) -> torch.Tensor:
@@ -28,7 +28,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, owner: nn.Module | None = None
     if rows <= FEW_ROWS and cpu_kernels.fast(x, weight):
         w = cpu_kernels.numpy_views(owner, weight)[0] if owner is not None else weight.numpy()
         out = x.new_empty(*x.shape[:-1], weight.shape[0])
-        cpu_kernels.linear(x.view(rows, x.shape[-1]).numpy(), w, out.view(rows, weight.shape[0]).numpy())
+        cpu_kernels.linear(
+            rows * weight.numel(), x.view(rows, x.shape[-1]).numpy(), w, out.view(rows, weight.shape[0]).numpy()
+        )
         return out
     return F.linear(x, weight)
 
@@ -65,7 +67,7 @@ def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) ->
     if cpu_kernels.fast(x, weight):
         flat = x.view(x.numel() // x.shape[-1], x.shape[-1])
         out = torch.empty_like(flat)
-        cpu_kernels.rms_norm(flat.numpy(), cpu_kernels.np_(weight), eps, out.numpy())
+        cpu_kernels.rms_norm(flat.shape[0], flat.numpy(), cpu_kernels.np_(weight), eps, out.numpy())
         return out.view(x.shape)
     return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
 
@@ -145,5 +147,7 @@ def _rope_kernel(x, freqs, inverse: bool, normalize: bool, eps: float, weight) -
     flat = x.view(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])  # [N, heads, D]
     out = torch.empty_like(flat)
     angles = torch.view_as_real(freqs.contiguous()).numpy()  # [N, rope_dim/2, 2]
-    cpu_kernels.norm_rope(flat.numpy(), cpu_kernels.np_(weight), eps, normalize, angles, inverse, out.numpy())
+    cpu_kernels.norm_rope(
+        flat.shape[0], flat.numpy(), cpu_kernels.np_(weight), eps, normalize, angles, inverse, out.numpy()
+    )
     return out.view(x.shape)

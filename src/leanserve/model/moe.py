@@ -154,7 +154,7 @@ class MoE(nn.Module):
         bias, table = (cpu_kernels.EMPTY, route) if gate.is_hash else (route, NO_TABLE)
         out = torch.empty_like(x)
         cpu_kernels.moe_tokens(
-            x.numpy(), input_ids.numpy(), gate_w, bias, table, gate.top_k, SCORING[gate.scoring_func], gate.scale,
+            x.shape[0], x.numpy(), input_ids.numpy(), gate_w, bias, table, gate.top_k, SCORING[gate.scoring_func], gate.scale,
             w13, w2, sw1, sw3, sw2, experts.limit, out.numpy(),
         )  # fmt: skip
         return out
