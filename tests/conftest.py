@@ -32,8 +32,7 @@ class LeanRunner:
     def __init__(self, model: DeepseekV4, num_slots: int, max_len: int, num_spec_tokens: int = 0) -> None:
         self.model, self.cfg = model, model.cfg
         self.geo = CacheGeometry.build(model.cfg, num_slots, max_len, num_spec_tokens)
-        dtype = next(p.dtype for n, p in model.named_parameters() if n.endswith("wkv.weight"))
-        self.caches = model.allocate_cache(self.geo, dtype)
+        self.caches = model.allocate_cache(self.geo, model.act_dtype)
 
     @torch.no_grad()
     def step(self, chunks: Sequence[Chunk], logits_index: list[int] | None = None) -> torch.Tensor:

@@ -34,17 +34,20 @@ def _both(fn, *args):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 70])
-def test_linear_and_norms_match_torch(rows):
-    from leanserve.model.layers import linear, norm_rope, rms_norm
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_linear_and_norms_match_torch(rows, weight_dtype):
+    from leanserve.model.layers import grouped_linear, linear, norm_rope, rms_norm
 
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 3, 64, generator=gen)
-    w = torch.randn(40, 64, generator=gen)
+    w = torch.randn(41, 64, generator=gen).to(weight_dtype)  # (an odd row count: the tile's last row alone)
+    grouped_w = torch.randn(3, 24, 64, generator=gen).to(weight_dtype)
     norm_w = torch.rand(64, generator=gen) + 0.5
     angles = torch.rand(rows, 16, generator=gen) * 6
     freqs = torch.polar(torch.full_like(angles, 1.3), angles)
     for fn, args in [
         (linear, (x, w)),
+        (grouped_linear, (x, grouped_w)),
         (rms_norm, (x, 1e-6)),
         (rms_norm, (x, 1e-6, norm_w)),
         (norm_rope, (x, freqs, 1e-6)),
@@ -86,7 +89,8 @@ def test_hc_pre_and_post_match_torch(tokens):
 
 @pytest.mark.parametrize("kind", ["moe", "hash_moe"])
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
-def test_moe_few_tokens_matches_grouped(kind, scoring):
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_moe_few_tokens_matches_grouped(kind, scoring, weight_dtype):
     from dataclasses import replace
 
     from leanserve.config import ModelConfig
@@ -97,6 +101,8 @@ def test_moe_few_tokens_matches_grouped(kind, scoring):
     moe = MoE(cfg, kind).requires_grad_(False)
     for p in moe.parameters():
         p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    for p in moe._matrices():  # the matrices in the checkpoint's dtype, as the loader leaves them
+        p.data = p.data.to(weight_dtype)
     if kind == "hash_moe":
         moe.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, moe.gate.tid2eid.shape, generator=gen))
     x = torch.randn(FEW_TOKENS, cfg.hidden_size, generator=gen)
@@ -121,16 +127,18 @@ def test_padded_experts_match_grouped_matmul():
     assert padded_experts(rows[:4], torch.tensor([4, 0, 0, 0, 0, 0, 0, 0]), w13, w2, 10.0) is None  # skewed
 
 
-def test_engine_with_kernels_matches_torch_path():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_with_kernels_matches_torch_path(dtype):
     # Prefill (torch matmuls), decode and speculative verification (the compiled kernels) against the torch
-    # path everywhere: the same tokens, logprobs within float32 noise.
+    # path everywhere: the same tokens, logprobs within float32 noise. With bfloat16 weights both paths
+    # compute in float32 (see activation_dtype).
     from leanserve import LLM, SamplingParams
 
     prompts = [list(range(3, 3 + n)) for n in (5, 70, 23)]
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    llm = LLM("models/dsv4-stdlib-8m", max_model_len=128, max_num_batched_tokens=64, speculative_config=spec,
-              load_progress=False)  # fmt: skip
+    llm = LLM("models/dsv4-stdlib-8m", dtype=dtype, max_model_len=128, max_num_batched_tokens=64,
+              speculative_config=spec, load_progress=False)  # fmt: skip
     fast = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     with cpu_kernels.disabled():
         ref = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -152,7 +160,12 @@ def test_threaded_kernels_match_one_thread():
     prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate([5, 70, 23, 40] * 5)]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True)
     llm = LLM("models/dsv4-stdlib-8m", dtype="float32", max_model_len=128, max_num_seqs=20, load_progress=False)
-    threaded = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (the test session runs torch on one thread; the kernels follow it)
+    try:
+        threaded = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        torch.set_num_threads(threads)
     with cpu_kernels.one_thread():
         one = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for a, b in zip(threaded, one, strict=True):
@@ -187,3 +200,25 @@ def test_index_select_matches_torch_with_ties():
                              visible.numpy(), topk, dim**-0.5, fast.numpy())  # fmt: skip
     assert torch.equal(fast, ref)
     assert int(fast[0, 0].sum()) == topk and int(fast[0, 1].sum()) == 4
+
+
+def test_bf16_weights_give_float32_tokens_at_half_the_weight_memory():
+    # The shipped checkpoint is bfloat16. Kept in bfloat16 on the CPU, its weights meet float32 activations
+    # (the kernels widen each weight row as they read it), so the tokens are those of the float32 engine and
+    # the logprobs agree to float32 rounding, with about half the weight bytes.
+    from leanserve import LLM, SamplingParams
+
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((5, 70, 23))]
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
+    outs, weight_bytes = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM("models/dsv4-stdlib-8m", dtype=dtype, max_model_len=128, load_progress=False)
+        outs[dtype] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        (stage,) = llm.memory_ledger()
+        weight_bytes[dtype] = stage.weights_bytes
+    for a, b in zip(outs["float32"], outs["bfloat16"], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            (tok,) = x
+            assert abs(x[tok].logprob - y[tok].logprob) < 1e-4
+    assert weight_bytes["bfloat16"] < 0.55 * weight_bytes["float32"]

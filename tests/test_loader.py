@@ -287,7 +287,10 @@ def test_bf16_checkpoint(make_ckpt, lean_runner_cls, ids_of):
     assert json.loads((ckpt16 / "config.json").read_text())["dtype"] == "bfloat16"
     prompt = ids_of(60, 98)
     fp32 = logits_of(load(ckpt16, dtype=torch.float32), lean_runner_cls, prompt)  # bf16 weights, fp32 compute
-    run = lean_runner_cls(load(ckpt16, dtype=torch.bfloat16, with_mtp=True), num_slots=1, max_len=128)
+    model = load(ckpt16, dtype=torch.bfloat16, with_mtp=True)
+    # bfloat16 activations, as off the CPU (on it, bfloat16 weights meet float32 activations by default)
+    model.act_dtype = torch.bfloat16
+    run = lean_runner_cls(model, num_slots=1, max_len=128)
     assert run.caches["1"].comp_rows.dtype == torch.bfloat16
     rows = [run.prefill(prompt[:40])]
     for t in range(40, len(prompt)):  # incremental decoding in bf16 too

@@ -144,7 +144,7 @@ class DraftModelProposer(ModelProposer):
             load_weights(model, spec.model, progress=progress)
         model.register_tables(ledger, prefix="draft.", feature=feature)
         geometry = CacheGeometry.build(cfg, num_slots, max_model_len, spec.num_speculative_tokens)
-        caches = model.allocate_cache(geometry, dtype, ledger, prefix="draft.", feature=feature)
+        caches = model.allocate_cache(geometry, model.act_dtype, ledger, prefix="draft.", feature=feature)
         proposer = cls(
             model, geometry, caches, device, k=spec.num_speculative_tokens, vocab=cfg.vocab_size,
             num_slots=num_slots, sampler=sampler, ledger=ledger, feature=feature,

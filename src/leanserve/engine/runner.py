@@ -123,17 +123,18 @@ class StageRunner:
         self.model.register_tables(ledger)
         num_spec = spec.num_speculative_tokens if spec is not None else 0
         self.geometry = CacheGeometry.build(cfg, config.max_num_seqs, max_model_len, num_spec)
-        self.caches = self.model.allocate_cache(self.geometry, dtype, ledger)
+        act = self.model.act_dtype  # (float32 on the CPU when the weights are bfloat16: see activation_dtype)
+        self.caches = self.model.allocate_cache(self.geometry, act, ledger)
         tokens = config.max_num_batched_tokens
         # Stable address (CUDA-graph safe); the forward copies the pre-hc_head streams into it each step.
         self.target_hidden = (
-            ledger.empty("target_hidden_states", "model", SPEC_MTP, (tokens, cfg.hc_dim), dtype) if uses_mtp else None
+            ledger.empty("target_hidden_states", "model", SPEC_MTP, (tokens, cfg.hc_dim), act) if uses_mtp else None
         )
         # A non-first stage receives the previous stage's streams here, at a stable address.
         self.recv_streams = (
             None
             if layout.is_first
-            else ledger.empty("pp_recv_streams", "pipeline", PIPELINE, (tokens, cfg.hc_mult, cfg.hidden_size), dtype)
+            else ledger.empty("pp_recv_streams", "pipeline", PIPELINE, (tokens, cfg.hc_mult, cfg.hidden_size), act)
         )
         self.sampler = Sampler() if layout.is_last else None
         self.proposer = None

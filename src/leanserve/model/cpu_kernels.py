@@ -18,6 +18,7 @@ import torch
 
 try:
     import numba
+    import numba.extending
 except ImportError:  # the torch path is used instead
     numba = None
 
@@ -70,10 +71,11 @@ def one_thread():
 
 
 def _threads_ok() -> bool:
-    """Whether threaded builds run: more than one core, and numba's OpenMP (or TBB) threading layer. Its
-    fallback layer (workqueue) costs more to wake than these kernels take, so it is not used."""
+    """Whether threaded builds run: torch may use more than one thread (`--threads`, torch.set_num_threads),
+    and numba has more than one and its OpenMP (or TBB) threading layer. Its fallback layer (workqueue) costs
+    more to wake than these kernels take, so it is not used."""
     global _threaded_ok
-    if _one_thread:
+    if _one_thread or torch.get_num_threads() < 2:
         return False
     if _threaded_ok is None:
         _threaded_ok = False
@@ -106,15 +108,32 @@ def disabled():
         _enabled = before
 
 
-def fast(*tensors: torch.Tensor | None, strided: tuple[torch.Tensor, ...] = ()) -> bool:
+def fast(*tensors: torch.Tensor | None, strided: tuple[torch.Tensor, ...] = (), weights=()) -> bool:
     """True when the kernels can take these tensors (None ones are absent): numba present, float32 CPU, no
-    autograd, and contiguous (but for those in `strided`)."""
+    autograd, and contiguous (but for those in `strided`); `weights` may also be bfloat16."""
     if not _enabled:
         return False
     for t in tensors:
         if t is not None and (t.dtype is not _F32 or not t.is_cpu or t.requires_grad or not t.is_contiguous()):
             return False
+    for t in weights:
+        if t.dtype not in _WEIGHT_DTYPES or not t.is_cpu or t.requires_grad or not t.is_contiguous():
+            return False
     return not any(t.dtype is not _F32 or not t.is_cpu or t.requires_grad for t in strided)
+
+
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def available() -> bool:
+    """Whether the kernels run at all (numba installed and not disabled)."""
+    return _enabled
+
+
+def weight_np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a tensor for the kernels; bfloat16 (which numpy lacks) as its raw uint16 bits."""
+    t = t.detach()
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def numpy_views(owner: object, *tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
@@ -123,7 +142,7 @@ def numpy_views(owner: object, *tensors: torch.Tensor) -> tuple[np.ndarray, ...]
     ptrs = tuple(t.data_ptr() for t in tensors)
     cached = owner.__dict__.get("_numpy_views")
     if cached is None or cached[0] != ptrs:
-        cached = owner.__dict__["_numpy_views"] = (ptrs, tuple(t.detach().numpy() for t in tensors))
+        cached = owner.__dict__["_numpy_views"] = (ptrs, tuple(weight_np(t) for t in tensors))
     return cached[1]
 
 
@@ -316,71 +335,86 @@ norm_rope = Threaded(_norm_rope, min_work=16)
 
 
 # --- Linear for a few rows --------------------------------------------------------------------------------
+def _weight_rows(w, j0, j1, buf):  # pragma: no cover - compiled through the overload below
+    """Rows [j0, j1) of a weight as float32: a view of float32 weights; bfloat16 ones (uint16 bits) widened
+    into buf [>= j1 - j0, K] uint32."""
+
+
+if numba is not None:
+
+    @numba.extending.overload(_weight_rows)
+    def _weight_rows_typed(w, j0, j1, buf):
+        if w.dtype == numba.types.float32:
+            return lambda w, j0, j1, buf: w[j0:j1]
+
+        def widen(w, j0, j1, buf):
+            for r in range(j1 - j0):
+                for k in range(w.shape[1]):
+                    buf[r, k] = np.uint32(w[j0 + r, k]) << np.uint32(16)  # bf16 is the top half of a float32
+            return buf[: j1 - j0].view(np.float32)
+
+        return widen
+
+
+WIDEN_ROWS = 16  # weight rows taken (and, for bfloat16, widened to float32) at a time
+
+
 def _linear_rows(x, w, out, n):  # pragma: no cover - compiled
-    # out[:n] = x[:n] @ w^T for x [>=n, K], w [J, K]: four rows of x per pass over w, two weight rows at a
-    # time (eight sums in registers, six loads per eight multiply-adds). x and w must be C-contiguous for the
-    # inner loops to vectorise.
+    # out[:n] = x[:n] @ w^T for x [>=n, K] float32, w [J, K] float32 or bfloat16 (uint16 bits). Weight rows
+    # come WIDEN_ROWS at a time, then two at a time against four rows of x: eight sums in registers, six loads
+    # per eight multiply-adds. x and the weight rows must be C-contiguous for the inner loops to vectorise.
     k_dim = x.shape[1]
     rows = w.shape[0]
-    t = 0
-    while t + 4 <= n:
+    buf = np.empty((WIDEN_ROWS, k_dim), dtype=np.uint32)
+    for j0 in range(0, rows, WIDEN_ROWS):
+        block = min(WIDEN_ROWS, rows - j0)
+        wr = _weight_rows(w, j0, j0 + block, buf)
         j = 0
-        while j + 2 <= rows:
-            a0 = np.float32(0.0)
-            a1 = np.float32(0.0)
-            a2 = np.float32(0.0)
-            a3 = np.float32(0.0)
-            b0 = np.float32(0.0)
-            b1 = np.float32(0.0)
-            b2 = np.float32(0.0)
-            b3 = np.float32(0.0)
-            for k in range(k_dim):
-                v, u = w[j, k], w[j + 1, k]
-                x0, x1, x2, x3 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
-                a0 += v * x0
-                a1 += v * x1
-                a2 += v * x2
-                a3 += v * x3
-                b0 += u * x0
-                b1 += u * x1
-                b2 += u * x2
-                b3 += u * x3
-            out[t, j], out[t + 1, j], out[t + 2, j], out[t + 3, j] = a0, a1, a2, a3
-            out[t, j + 1], out[t + 1, j + 1], out[t + 2, j + 1], out[t + 3, j + 1] = b0, b1, b2, b3
+        while j + 2 <= block:
+            t = 0
+            while t + 4 <= n:
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
+                a2 = np.float32(0.0)
+                a3 = np.float32(0.0)
+                b0 = np.float32(0.0)
+                b1 = np.float32(0.0)
+                b2 = np.float32(0.0)
+                b3 = np.float32(0.0)
+                for k in range(k_dim):
+                    v, u = wr[j, k], wr[j + 1, k]
+                    x0, x1, x2, x3 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
+                    a0 += v * x0
+                    a1 += v * x1
+                    a2 += v * x2
+                    a3 += v * x3
+                    b0 += u * x0
+                    b1 += u * x1
+                    b2 += u * x2
+                    b3 += u * x3
+                out[t, j0 + j], out[t + 1, j0 + j], out[t + 2, j0 + j], out[t + 3, j0 + j] = a0, a1, a2, a3
+                out[t, j0 + j + 1], out[t + 1, j0 + j + 1], out[t + 2, j0 + j + 1], out[t + 3, j0 + j + 1] = (
+                    b0,
+                    b1,
+                    b2,
+                    b3,
+                )
+                t += 4
+            while t < n:
+                a0 = np.float32(0.0)
+                b0 = np.float32(0.0)
+                for k in range(k_dim):
+                    a0 += wr[j, k] * x[t, k]
+                    b0 += wr[j + 1, k] * x[t, k]
+                out[t, j0 + j], out[t, j0 + j + 1] = a0, b0
+                t += 1
             j += 2
-        if j < rows:
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            s2 = np.float32(0.0)
-            s3 = np.float32(0.0)
-            for k in range(k_dim):
-                v = w[j, k]
-                s0 += v * x[t, k]
-                s1 += v * x[t + 1, k]
-                s2 += v * x[t + 2, k]
-                s3 += v * x[t + 3, k]
-            out[t, j] = s0
-            out[t + 1, j] = s1
-            out[t + 2, j] = s2
-            out[t + 3, j] = s3
-        t += 4
-    if t + 2 <= n:  # (speculative verification: two tokens per sequence)
-        for j in range(rows):
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            for k in range(k_dim):
-                v = w[j, k]
-                s0 += v * x[t, k]
-                s1 += v * x[t + 1, k]
-            out[t, j] = s0
-            out[t + 1, j] = s1
-        t += 2
-    if t < n:
-        for j in range(rows):
-            s = np.float32(0.0)
-            for k in range(k_dim):
-                s += w[j, k] * x[t, k]
-            out[t, j] = s
+        if j < block:  # an odd last row
+            for t in range(n):
+                a0 = np.float32(0.0)
+                for k in range(k_dim):
+                    a0 += wr[j, k] * x[t, k]
+                out[t, j0 + j] = a0
 
 
 _linear_rows_jit = _jit(_linear_rows)

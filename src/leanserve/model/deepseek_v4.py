@@ -12,12 +12,13 @@ from torch import nn
 
 from leanserve.config import SLIDING, ModelConfig
 from leanserve.memory import KV_CACHE, ROPE, SPEC_MTP, MemoryLedger
+from leanserve.model import cpu_kernels
 from leanserve.model.attention import Rope
 from leanserve.model.batch import ForwardBatch
 from leanserve.model.block import Block
 from leanserve.model.cache import CacheGeometry, LayerCache, allocate_layer_cache
 from leanserve.model.hyper import hc_head
-from leanserve.model.layers import Linear, RMSNorm, Rotary, fp32_param
+from leanserve.model.layers import Embedding, Linear, RMSNorm, Rotary, fp32_param
 from leanserve.model.mtp import MTPBlock
 
 
@@ -42,11 +43,12 @@ class DeepseekV4(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.act_dtype: torch.dtype | None = None  # activations' dtype; None: the weights' (see build_model)
         self.stage = stage = stage or StageLayout.whole(cfg)
         with_mtp = with_mtp and stage.is_last
         # The MTP layer shares the embedding, so a last stage that runs it holds a copy of its own.
         if stage.is_first or with_mtp:
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict(
             {
                 str(i): Block(cfg, cfg.layer_types[i], cfg.mlp_layer_types[i])
@@ -120,7 +122,7 @@ class DeepseekV4(nn.Module):
         [T, hc_mult * hidden] (for the MTP drafter)."""
         ropes = self.ropes(fb)
         if self.stage.is_first:
-            x = self.embed(fb.input_ids)
+            x = self.embed_tokens(fb.input_ids)
             streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for key, block in self.layers.items():
             streams = block(streams, fb, caches[key], ropes)
@@ -131,6 +133,10 @@ class DeepseekV4(nn.Module):
         if fb.logits_index is not None:
             streams = streams[fb.logits_index]
         return self.logits(self.head_hidden(streams))
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of `ids` in the activation dtype (where activations start)."""
+        return self.embed(ids).to(self.act_dtype or self.embed.weight.dtype)
 
     def head_hidden(self, streams: torch.Tensor) -> torch.Tensor:
         eps, hc_eps = self.cfg.rms_norm_eps, self.cfg.hc_eps
@@ -148,10 +154,20 @@ class DeepseekV4(nn.Module):
         """Returns (logits [T', vocab] for fb.logits_index, the MTP block's output streams [T, hc, hidden])."""
         assert self.mtp is not None, "this model was built without its MTP layer"
         mtp = self.mtp["0"]
-        hidden, out = mtp(streams, self.embed(fb.input_ids), fb, caches["mtp.0"], self.ropes(fb))
+        hidden, out = mtp(streams, self.embed_tokens(fb.input_ids), fb, caches["mtp.0"], self.ropes(fb))
         if fb.logits_index is not None:
             hidden = hidden[fb.logits_index]
         return self.logits(hidden), out
+
+
+def activation_dtype(weight_dtype: torch.dtype, device: str | torch.device) -> torch.dtype:
+    """The dtype activations and caches use with weights of `weight_dtype`. On the CPU with the compiled kernels,
+    bfloat16 weights meet float32 activations: the kernels widen each weight row as they read it, so a step
+    moves half the weight bytes and computes in float32 (which is what a CPU without bfloat16 arithmetic does
+    anyway); torch's own bfloat16 matmuls there are several times slower. Elsewhere, the weights' dtype."""
+    if torch.device(device).type == "cpu" and weight_dtype == torch.bfloat16 and cpu_kernels.available():
+        return torch.float32
+    return weight_dtype
 
 
 @contextlib.contextmanager
@@ -177,6 +193,7 @@ def build_model(
     with torch.device("meta"), _default_dtype(dtype):
         model = DeepseekV4(cfg, max_positions, stage, with_mtp)
     model.to_empty(device=device)
+    model.act_dtype = activation_dtype(dtype, device)
     for m in model.modules():
         if isinstance(m, Rotary):
             m.reset_tables()

@@ -23,25 +23,26 @@ FEW_ROWS = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, owner: nn.Module | None = None) -> torch.Tensor:
-    """x [..., in] @ weight[out, in]^T; `owner`, if given, keeps the weight's numpy view for the kernel."""
+    """x [..., in] @ weight[out, in]^T in x's dtype (a bfloat16 weight meets float32 activations on the CPU, see
+    deepseek_v4.activation_dtype); `owner`, if given, keeps the weight's numpy view for the kernel."""
     rows = x.numel() // x.shape[-1]
-    if rows <= FEW_ROWS and cpu_kernels.fast(x, weight):
-        w = cpu_kernels.numpy_views(owner, weight)[0] if owner is not None else weight.numpy()
+    if rows <= FEW_ROWS and cpu_kernels.fast(x, weights=(weight,)):
+        w = cpu_kernels.numpy_views(owner, weight)[0] if owner is not None else cpu_kernels.weight_np(weight)
         out = x.new_empty(*x.shape[:-1], weight.shape[0])
         cpu_kernels.linear(
             rows * weight.numel(), x.view(rows, x.shape[-1]).numpy(), w, out.view(rows, weight.shape[0]).numpy()
         )
         return out
-    return F.linear(x, weight)
+    return F.linear(x, weight.to(x.dtype))
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, G, in], weight [G, out, in] -> [T, G, out]: group g of every row times weight[g]^T."""
-    if x.shape[0] <= FEW_ROWS and cpu_kernels.fast(x, weight):
+    if x.shape[0] <= FEW_ROWS and cpu_kernels.fast(x, weights=(weight,)):
         out = x.new_empty(x.shape[0], x.shape[1], weight.shape[1])
-        cpu_kernels.grouped_linear(x.numpy(), weight.numpy(), out.numpy())
+        cpu_kernels.grouped_linear(x.numpy(), cpu_kernels.weight_np(weight), out.numpy())
         return out
-    return torch.einsum("tgi,goi->tgo", x, weight)
+    return torch.einsum("tgi,goi->tgo", x, weight.to(x.dtype))
 
 
 class Linear(nn.Linear):
@@ -49,6 +50,18 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self)
+
+
+class Embedding(nn.Module):
+    """The token embedding table. (Not nn.Embedding: its random init, run even on the meta device, imports
+    torch._dynamo, seconds of start-up; the loader fills this table anyway.)"""
+
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
 
 
 class RMSNorm(nn.Module):

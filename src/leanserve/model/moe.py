@@ -49,7 +49,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, k] float32, expert ids [T, k])."""
-        scores = score(F.linear(x, self.weight).float(), self.scoring_func)  # [T, E]
+        scores = score(F.linear(x, self.weight.to(x.dtype)).float(), self.scoring_func)  # [T, E]
         if self.is_hash:
             experts = self.tid2eid[input_ids]
         else:
@@ -74,11 +74,12 @@ class Experts(nn.Module):
         token_of = order // experts.shape[1]
         counts = torch.bincount(flat, minlength=self.w13.shape[0])
         rows = x[token_of]
-        ys = padded_experts(rows, counts, self.w13, self.w2, self.limit)
+        w13, w2 = self.w13.to(x.dtype), self.w2.to(x.dtype)  # (bfloat16 weights, float32 activations: CPU)
+        ys = padded_experts(rows, counts, w13, w2, self.limit)
         if ys is None:
             ends = torch.cumsum(counts, 0)
-            gate, up = grouped_mm(rows, self.w13, ends).chunk(2, dim=-1)  # [N, I] each
-            ys = grouped_mm(swiglu(gate, up, self.limit), self.w2, ends)  # [N, hidden]
+            gate, up = grouped_mm(rows, w13, ends).chunk(2, dim=-1)  # [N, I] each
+            ys = grouped_mm(swiglu(gate, up, self.limit), w2, ends)  # [N, hidden]
         ys *= weights.flatten()[order, None].to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
@@ -141,16 +142,19 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(cfg)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= FEW_TOKENS and cpu_kernels.fast(x):
+        if x.shape[0] <= FEW_TOKENS and cpu_kernels.fast(x, weights=self._matrices()):
             return self._few_tokens(x, input_ids)
         weights, experts = self.gate(x, input_ids)
         return self.experts(x, weights, experts) + self.shared_experts(x)
 
+    def _matrices(self) -> tuple[torch.Tensor, ...]:
+        experts, shared = self.experts, self.shared_experts
+        return self.gate.weight, experts.w13, experts.w2, shared.w1.weight, shared.w3.weight, shared.w2.weight
+
     def _few_tokens(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        gate, experts, shared = self.gate, self.experts, self.shared_experts
-        routing = (gate.tid2eid,) if gate.is_hash else (gate.bias,)
-        weights = (gate.weight, *routing, experts.w13, experts.w2, shared.w1.weight, shared.w3.weight, shared.w2.weight)
-        gate_w, route, w13, w2, sw1, sw3, sw2 = cpu_kernels.numpy_views(self, *weights)
+        gate, experts = self.gate, self.experts
+        routing = gate.tid2eid if gate.is_hash else gate.bias
+        gate_w, w13, w2, sw1, sw3, sw2, route = cpu_kernels.numpy_views(self, *self._matrices(), routing)
         bias, table = (cpu_kernels.EMPTY, route) if gate.is_hash else (route, NO_TABLE)
         out = torch.empty_like(x)
         cpu_kernels.moe_tokens(

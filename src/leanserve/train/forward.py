@@ -309,7 +309,7 @@ def inference_logits(model: DeepseekV4, ids: torch.Tensor) -> tuple[torch.Tensor
     layer at t embedding ids[t+1])."""
     batch, length = ids.shape[0], ids.shape[1] - 1
     geo = CacheGeometry.build(model.cfg, num_slots=batch, max_model_len=length + 1)
-    dtype = next(p.dtype for n, p in model.named_parameters() if n.endswith("wkv.weight"))
+    dtype = model.act_dtype  # (float32 with bfloat16 weights on the CPU: see activation_dtype)
     caches = model.allocate_cache(geo, dtype)
     rows = ids.tolist()
     fb = build_forward_batch([Chunk(i, 0, r[:length]) for i, r in enumerate(rows)], geo)
