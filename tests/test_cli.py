@@ -203,9 +203,18 @@ def test_bench_throughput_compares_both_engines(tmp_path, capsys):
     args = ["bench", "throughput", "--model", str(model), "--batch-sizes", "1,2", "--max-tokens", "4"]
     assert main([*args, "--prompt-len", "20", "--repeats", "1", "--output", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["batch_size"] for r in rows] == [1, 2]
+    # both dtypes by default, side by side
+    assert [(r["dtype"], r["batch_size"]) for r in rows] == [
+        ("float32", 1),
+        ("float32", 2),
+        ("bfloat16", 1),
+        ("bfloat16", 2),
+    ]
     for r in rows:
         assert r["leanserve_tok_s"] > 0 and r["transformers_tok_s"] > 0
         assert r["speedup"] == pytest.approx(r["leanserve_tok_s"] / r["transformers_tok_s"], rel=0.02)
-        # the same greedy work: both engines produce the same tokens
-        assert r["identical_sequences"] == r["batch_size"]
+        # the same greedy work: in float32 both engines produce the same tokens (in bfloat16 transformers
+        # rounds its activations, leanserve computes in float32: counted, not asserted)
+        if r["dtype"] == "float32":
+            assert r["identical_sequences"] == r["batch_size"]
+        assert 0 <= r["identical_sequences"] <= r["batch_size"]

@@ -4,6 +4,10 @@ same checkpoint, prompts and greedy workload, side by side in one run, with the 
 Each batch size runs both engines on identical prompts (equal length, so transformers needs no padding),
 alternating which goes first over `--repeats` rounds; the median round is reported. Greedy tokens of the two
 engines are compared as a check that the work is the same.
+
+Each dtype loads both engines in it. In bfloat16, transformers rounds every activation to bfloat16, while
+leanserve on the CPU keeps the weights in bfloat16 and computes in float32 (deepseek_v4.activation_dtype):
+its tokens are then its float32 tokens, and may differ from transformers' bfloat16 ones.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 @dataclass
 class ThroughputRow:
+    dtype: str
     batch_size: int
     leanserve_tok_s: float
     transformers_tok_s: float
@@ -35,14 +40,25 @@ def throughput(
     batch_sizes: list[int],
     prompt_len: int = 64,
     max_tokens: int = 32,
-    dtype: str = "float32",
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     repeats: int = 3,
     seed: int = 0,
 ) -> list[ThroughputRow]:
     try:
-        from transformers import DeepseekV4ForCausalLM
+        from transformers import DeepseekV4ForCausalLM  # noqa: F401
     except ImportError:
         raise ValueError("bench throughput needs transformers (pip install 'transformers>=5.24').") from None
+    rows = []
+    for dtype in dtypes:
+        rows += _throughput(model, batch_sizes, prompt_len, max_tokens, dtype, repeats, seed)
+    return rows
+
+
+def _throughput(
+    model: str, batch_sizes: list[int], prompt_len: int, max_tokens: int, dtype: str, repeats: int, seed: int
+) -> list[ThroughputRow]:
+    from transformers import DeepseekV4ForCausalLM
+
     from leanserve import LLM, SamplingParams
 
     torch_dtype = getattr(torch, dtype)
@@ -89,7 +105,9 @@ def throughput(
         lean_tps = batch * max_tokens / statistics.median(lean_times)
         hf_tps = batch * max_tokens / statistics.median(hf_times)
         same = sum(a == b for a, b in zip(lean_tokens, hf_tokens, strict=True))
-        rows.append(ThroughputRow(batch, round(lean_tps, 1), round(hf_tps, 1), round(lean_tps / hf_tps, 2), same))
+        speedup = round(lean_tps / hf_tps, 2)
+        rows.append(ThroughputRow(dtype, batch, round(lean_tps, 1), round(hf_tps, 1), speedup, same))
+    llm.shutdown()
     return rows
 
 
@@ -116,6 +134,7 @@ def _cell(value) -> str:
 
 
 THROUGHPUT_HEADERS = {
+    "dtype": "dtype",
     "batch_size": "batch",
     "leanserve_tok_s": "leanserve tok/s",
     "transformers_tok_s": "transformers tok/s",

@@ -18,6 +18,14 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _dtype_list(text: str) -> list[str]:
+    names = [t for t in text.replace(" ", "").split(",") if t]
+    bad = [n for n in names if n not in ("float32", "bfloat16")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes from float32, bfloat16; got {text!r}")
+    return names
+
+
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-pp", "--pipeline-parallel-size", type=int, default=1, help="pipeline stages (processes); default 1"
@@ -111,7 +119,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32])
     t.add_argument("--prompt-len", type=int, default=64)
     t.add_argument("--max-tokens", type=int, default=32)
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    t.add_argument(
+        "--dtype", type=_dtype_list, default=["float32", "bfloat16"], help="comma-separated: float32, bfloat16"
+    )
     t.add_argument("--repeats", type=int, default=3)
     t.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     t.add_argument("--output", default="table", choices=["table", "json"])
@@ -162,7 +172,7 @@ def _bench(args: argparse.Namespace) -> int:
         if args.max_tokens < 1 or args.prompt_len < 1:
             raise ValueError("--prompt-len and --max-tokens must be positive.")
         rows = bench.throughput(
-            args.model, args.batch_sizes, args.prompt_len, args.max_tokens, args.dtype, args.repeats
+            args.model, args.batch_sizes, args.prompt_len, args.max_tokens, tuple(args.dtype), args.repeats
         )
         bench.print_rows(rows, args.output, bench.THROUGHPUT_HEADERS)
     elif args.bench == "copy":
