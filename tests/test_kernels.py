@@ -134,10 +134,11 @@ def test_engine_with_kernels_matches_torch_path(dtype):
     # compute in float32 (see activation_dtype).
     from leanserve import LLM, SamplingParams
 
-    prompts = [list(range(3, 3 + n)) for n in (5, 70, 23)]
+    # (122 + 12 tokens: a heavily compressed window, r = 128, closes during decoding)
+    prompts = [list(range(3, 3 + n)) for n in (5, 70, 23, 122)]
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    llm = LLM("models/dsv4-stdlib-8m", dtype=dtype, max_model_len=128, max_num_batched_tokens=64,
+    llm = LLM("models/dsv4-stdlib-8m", dtype=dtype, max_model_len=160, max_num_batched_tokens=64,
               speculative_config=spec, load_progress=False)  # fmt: skip
     fast = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     with cpu_kernels.disabled():

@@ -13,8 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leanserve.model import cpu_kernels
 from leanserve.model.batch import AttnGroup, CompressMeta
 from leanserve.model.layers import Linear, RMSNorm, apply_rope, fp32_param
+
+# Steps of up to this many tokens whose rows go into the rings first (decode, verification) run the compressor
+# as one compiled call on the CPU.
+FEW_TOKENS = 64
 
 
 class Compressor(nn.Module):
@@ -41,6 +46,14 @@ class Compressor(nn.Module):
         kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
         width = kv.shape[-1]
         kv_flat, gate_flat = kv_ring.view(-1, width), gate_ring.view(-1, width)
+        if meta.write_first and x.shape[0] <= FEW_TOKENS and cpu_kernels.fast(kv, gate, kv_ring, gate_ring, rows):
+            angles = torch.view_as_real(row_rope.contiguous()).numpy()  # [NW, R/2, 2]
+            cpu_kernels.compress(
+                kv.numpy(), gate.numpy(), meta.write.src.numpy(), meta.write.dst.numpy(), kv_flat.numpy(),
+                gate_flat.numpy(), meta.src.numpy(), meta.src_valid.numpy(), self.ape.numpy(), self.overlap,
+                self.norm.weight.numpy(), self.norm.eps, angles, rows.view(-1, self.dim).numpy(), meta.row_dst.numpy(),
+            )  # fmt: skip
+            return
         if meta.write_first:
             self._store(kv, gate, kv_flat, gate_flat, meta)
         if meta.src.shape[0]:

@@ -574,6 +574,58 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
 moe_tokens = Threaded(_moe_tokens, min_work=1)
 
 
+# --- KV compressor, decode-sized steps ------------------------------------------------------------------
+def _compress(kv, gate, src_rows, dst_rows, kv_ring, gate_ring, src, src_valid, ape, overlap, w, eps, freqs, rows,
+              row_dst):  # fmt: skip
+    # (compiled) One compressor step when its rows go into the rings first (write_first, see model/batch.py):
+    # stores kv/gate [T, width] rows src_rows at ring rows dst_rows, then for each window closing this step
+    # (src [NW, span] ring rows, src_valid [NW, span]) pools the window per channel with a softmax over
+    # gate + ape [r, width], RMS-normalises the entry (times w [dim]), rotates its trailing channels by freqs
+    # [NW, R/2, 2] and writes it to rows [*, dim] row row_dst. CSA (overlap): the first r slots take channels
+    # [0, dim) (the previous window's Ca), the last r channels [dim, 2*dim) (this window's Cb).
+    for i in range(src_rows.shape[0]):
+        for c in range(kv.shape[1]):
+            kv_ring[dst_rows[i], c] = kv[src_rows[i], c]
+            gate_ring[dst_rows[i], c] = gate[src_rows[i], c]
+    span = src.shape[1]
+    ratio = ape.shape[0]
+    dim = rows.shape[1]
+    half = freqs.shape[1]
+    lead = dim - 2 * half
+    entry = np.empty(dim, dtype=np.float32)
+    for v in range(src.shape[0]):
+        for c in range(dim):
+            top = np.float32(-np.inf)
+            for p in range(span):
+                if src_valid[v, p]:
+                    ch = c + dim if overlap and p >= ratio else c
+                    top = max(top, gate_ring[src[v, p], ch] + ape[p % ratio, ch])
+            total = np.float32(0.0)
+            acc = np.float32(0.0)
+            for p in range(span):
+                if src_valid[v, p]:
+                    ch = c + dim if overlap and p >= ratio else c
+                    e = np.float32(math.exp(gate_ring[src[v, p], ch] + ape[p % ratio, ch] - top))
+                    total += e
+                    acc += e * kv_ring[src[v, p], ch]
+            entry[c] = acc / total
+        s = np.float32(0.0)
+        for c in range(dim):
+            s += entry[c] * entry[c]
+        r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(dim) + np.float32(eps)))
+        out = rows[row_dst[v]]
+        for c in range(dim):
+            out[c] = entry[c] * r * w[c]
+        for q in range(half):
+            cr, ci = freqs[v, q, 0], freqs[v, q, 1]
+            re, im = out[lead + 2 * q], out[lead + 2 * q + 1]
+            out[lead + 2 * q] = re * cr - im * ci
+            out[lead + 2 * q + 1] = re * ci + im * cr
+
+
+compress = _jit(_compress)
+
+
 # --- attention over a step's query blocks -----------------------------------------------------------------
 def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, visible, chosen, sink, scale,
             freqs, out):  # fmt: skip
