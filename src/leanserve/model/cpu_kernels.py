@@ -245,14 +245,18 @@ def _mhc_weights(mixes, scale, base, hc, hc_eps, iters, out):  # pragma: no cove
 mhc_weights = Threaded(_mhc_weights, min_work=2 * LANES)
 
 
-def _hc_pre(streams, raw, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out):  # pragma: no cover
-    # streams [T, hc, D]; raw [T, M] = flat streams @ fn^T (not yet RMS-scaled), M = (2+hc)*hc.
+def _hc_pre(streams, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out):  # pragma: no cover
+    # streams [T, hc, D]; fn [M, hc*D], M = (2+hc)*hc: the mixes are RMSNorm(flat streams) @ fn^T, computed as
+    # (flat streams @ fn^T) * the row's RMS scale (one number per row).
     # weights_out [T, M]: pre | post | comb (see _mhc_lanes); x_out [T, D]: RMSNorm_w(sum_i pre_i * streams_i).
     n, hc, d = streams.shape
-    width = raw.shape[1]
+    width = fn.shape[0]
+    flat = streams.reshape(n, hc * d)
     for blk in prange((n + LANES - 1) // LANES):
         t0 = blk * LANES
         lanes = min(LANES, n - t0)
+        raw = np.empty((lanes, width), dtype=np.float32)
+        _linear_rows_jit(flat[t0 : t0 + lanes], fn, raw, lanes)
         m = np.zeros((width, LANES), dtype=np.float32)
         for a in range(lanes):
             t = t0 + a
@@ -262,7 +266,7 @@ def _hc_pre(streams, raw, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, w
                     s += streams[t, i, k] * streams[t, i, k]
             r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(hc * d) + np.float32(norm_eps)))
             for j in range(width):
-                m[j, a] = raw[t, j] * r
+                m[j, a] = raw[a, j] * r
         _mhc_lanes_jit(m, scale, base, hc, hc_eps, iters)
         for a in range(lanes):
             t = t0 + a

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from leanserve.model import cpu_kernels
-from leanserve.model.layers import linear, rms_norm
+from leanserve.model.layers import rms_norm
 
 
 def hc_pre(
@@ -29,14 +29,13 @@ def hc_pre(
     """Returns (normalised block input [T, D], post [T, hc], comb [T, hc, hc]); post and comb in float32."""
     hc = streams.shape[1]
     if cpu_kernels.fast(streams, fn, norm_weight):
-        # RMS-normalising the flat streams scales each row of the mixes by one number, so the kernel applies
-        # it after the projection; it also collapses the streams and normalises the block input.
-        raw = linear(streams.flatten(1), fn)  # [T, (2+hc)*hc]
-        weights, x = torch.empty_like(raw), streams.new_empty(streams.shape[0], streams.shape[2])
+        # One call: the projection (RMS-normalising the flat streams scales each row of the mixes by one number,
+        # applied after it), the mHC weights, the collapse of the streams and the block input's RMSNorm.
+        weights = streams.new_empty(streams.shape[0], fn.shape[0])
+        x = streams.new_empty(streams.shape[0], streams.shape[2])
         params = scale.detach().numpy(), base.detach().numpy(), hc_eps, sinkhorn_iters, norm_eps
-        cpu_kernels.hc_pre(
-            streams.shape[0], streams.numpy(), raw.numpy(), *params, norm_weight.numpy(), x.numpy(), weights.numpy()
-        )
+        arrays = streams.numpy(), fn.detach().numpy(), *params, norm_weight.numpy(), x.numpy(), weights.numpy()
+        cpu_kernels.hc_pre(streams.shape[0], *arrays)
         return x, weights[:, hc : 2 * hc], weights[:, 2 * hc :].unflatten(-1, (hc, hc))
     mixes = F.linear(rms_norm(streams.flatten(1).float(), norm_eps), fn.float())  # [T, (2+hc)*hc]
     pre, post, comb = mhc_weights(mixes, scale, base, hc, hc_eps, sinkhorn_iters)
