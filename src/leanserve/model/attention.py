@@ -21,7 +21,7 @@ from leanserve.model import cpu_kernels
 from leanserve.model.batch import ForwardBatch
 from leanserve.model.cache import LayerCache
 from leanserve.model.compressor import Compressor, Indexer
-from leanserve.model.layers import Linear, RMSNorm, apply_rope, fp32_param, grouped_linear, norm_rope
+from leanserve.model.layers import Linear, RMSNorm, apply_rope, fp32_param, grouped_linear, linears, norm_rope
 
 Rope = torch.Tensor  # complex RoPE factors, see layers.Rotary
 
@@ -64,14 +64,22 @@ class Attention(nn.Module):
                 ratio,
                 self.eps,
             )
+        # The projections of the layer input x, computed together (one call on the CPU kernels' path).
+        inputs = [self.wq_a, self.wkv]
+        if self.compressor is not None:
+            inputs += [self.compressor.wkv, self.compressor.wgate]
+        if self.indexer is not None:
+            inputs += [self.indexer.compressor.wkv, self.indexer.compressor.wgate, self.indexer.weights_proj]
+        self._inputs = tuple(inputs)  # (a plain tuple: the modules stay registered where they are)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes: dict[str, Rope]) -> torch.Tensor:
         num_tokens = x.shape[0]
         rope = ropes[self.rope_kind]
-        q_residual = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
+        projected = linears(x, tuple(m.weight for m in self._inputs), self)
+        q_residual = self.q_norm(projected[0])  # [T, q_lora_rank]
         q = self.wq_b(q_residual).view(num_tokens, self.n_heads, self.head_dim)
         q = norm_rope(q, rope, self.eps)
-        kv = norm_rope(self.wkv(x), rope, self.eps, self.norm.weight)  # [T, D]
+        kv = norm_rope(projected[1], rope, self.eps, self.norm.weight)  # [T, D]
 
         # Window keys come from the ring (earlier steps) and this step's rows; see model/batch.py.
         ring = cache.window_kv.view(-1, self.head_dim)
@@ -81,11 +89,12 @@ class Attention(nn.Module):
         index_queries = None
         if self.compressor is not None:
             meta = fb.compress[self.layer_type]
-            self.compressor(x, meta, cache.comp_kv, cache.comp_gate, cache.comp_rows, ropes[self.layer_type])
+            row_rope = ropes[self.layer_type]
+            self.compressor(*projected[2:4], meta, cache.comp_kv, cache.comp_gate, cache.comp_rows, row_rope)
             if self.indexer is not None:
-                self.indexer.compressor(x, meta, cache.idx_kv, cache.idx_gate, cache.idx_rows, ropes[self.layer_type])
+                self.indexer.compressor(*projected[4:6], meta, cache.idx_kv, cache.idx_gate, cache.idx_rows, row_rope)
                 if any(g.max_visible[self.layer_type] > self.indexer.topk for g in fb.groups):
-                    index_queries = self.indexer.queries(x, q_residual, rope)
+                    index_queries = self.indexer.queries(q_residual, projected[6], rope)
         new_kv = None if fb.window_write_first else kv.to(ring.dtype)
         if num_tokens <= FEW_QUERIES and cpu_kernels.fast(q, ring, new_kv):
             out = self._attend_kernel(q, ring, new_kv, fb, cache, index_queries, rope)

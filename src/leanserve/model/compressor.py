@@ -34,7 +34,8 @@ class Compressor(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        kv: torch.Tensor,  # [T, width]: wkv(x)
+        gate: torch.Tensor,  # [T, width]: wgate(x)
         meta: CompressMeta,
         kv_ring: torch.Tensor,  # [slots, B, width]
         gate_ring: torch.Tensor,  # [slots, B, width]
@@ -42,11 +43,10 @@ class Compressor(nn.Module):
         row_rope: torch.Tensor,  # RoPE factors at each closing window's position
     ) -> None:
         """Writes the entries of the windows that close this step into `rows`, then stores this step's
-        projections in the rings."""
-        kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
+        projections in the rings. (The attention computes the projections with its other ones.)"""
         width = kv.shape[-1]
         kv_flat, gate_flat = kv_ring.view(-1, width), gate_ring.view(-1, width)
-        if meta.write_first and x.shape[0] <= FEW_TOKENS and cpu_kernels.fast(kv, gate, kv_ring, gate_ring, rows):
+        if meta.write_first and kv.shape[0] <= FEW_TOKENS and cpu_kernels.fast(kv, gate, kv_ring, gate_ring, rows):
             angles = torch.view_as_real(row_rope.contiguous()).numpy()  # [NW, R/2, 2]
             cpu_kernels.compress(
                 kv.numpy(), gate.numpy(), meta.write.src.numpy(), meta.write.dst.numpy(), kv_flat.numpy(),
@@ -104,11 +104,12 @@ class Indexer(nn.Module):
         self.compressor = Compressor(hidden_size, head_dim, ratio, overlap=True, eps=eps)
 
     def queries(
-        self, x: torch.Tensor, q_residual: torch.Tensor, rope: torch.Tensor
+        self, q_residual: torch.Tensor, head_weights: torch.Tensor, rope: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per token: RoPE'd indexer queries [T, H, d] and head weights [T, H] (float32)."""
+        """Per token: RoPE'd indexer queries [T, H, d] and head weights [T, H] (float32), from the attention's
+        q_residual and weights_proj(x)."""
         q = apply_rope(self.wq_b(q_residual).view(-1, self.n_heads, self.head_dim), rope)
-        return q.float(), self.weights_proj(x).float() * self.n_heads**-0.5
+        return q.float(), head_weights.float() * self.n_heads**-0.5
 
     def select(
         self,

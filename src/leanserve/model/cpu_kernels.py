@@ -339,99 +339,128 @@ norm_rope = Threaded(_norm_rope, min_work=16)
 
 
 # --- Linear for a few rows --------------------------------------------------------------------------------
-def _weight_rows(w, j0, j1, buf):  # pragma: no cover - compiled through the overload below
-    """Rows [j0, j1) of a weight as float32: a view of float32 weights; bfloat16 ones (uint16 bits) widened
-    into buf [>= j1 - j0, K] uint32."""
+def _linear_rows_f32(x, w, out, n):  # pragma: no cover - compiled
+    # out[:n] = x[:n] @ w^T for x [>=n, K], w [J, K]: four rows of x per pass over w, two weight rows at a
+    # time (eight sums in registers, six loads per eight multiply-adds). x and w must be C-contiguous for the
+    # inner loops to vectorise.
+    k_dim = x.shape[1]
+    rows = w.shape[0]
+    t = 0
+    while t + 4 <= n:
+        j = 0
+        while j + 2 <= rows:
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            b0 = np.float32(0.0)
+            b1 = np.float32(0.0)
+            b2 = np.float32(0.0)
+            b3 = np.float32(0.0)
+            for k in range(k_dim):
+                v, u = w[j, k], w[j + 1, k]
+                x0, x1, x2, x3 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
+                a0 += v * x0
+                a1 += v * x1
+                a2 += v * x2
+                a3 += v * x3
+                b0 += u * x0
+                b1 += u * x1
+                b2 += u * x2
+                b3 += u * x3
+            out[t, j], out[t + 1, j], out[t + 2, j], out[t + 3, j] = a0, a1, a2, a3
+            out[t, j + 1], out[t + 1, j + 1], out[t + 2, j + 1], out[t + 3, j + 1] = b0, b1, b2, b3
+            j += 2
+        if j < rows:
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            s3 = np.float32(0.0)
+            for k in range(k_dim):
+                v = w[j, k]
+                s0 += v * x[t, k]
+                s1 += v * x[t + 1, k]
+                s2 += v * x[t + 2, k]
+                s3 += v * x[t + 3, k]
+            out[t, j] = s0
+            out[t + 1, j] = s1
+            out[t + 2, j] = s2
+            out[t + 3, j] = s3
+        t += 4
+    if t + 2 <= n:  # (speculative verification: two tokens per sequence)
+        for j in range(rows):
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            for k in range(k_dim):
+                v = w[j, k]
+                s0 += v * x[t, k]
+                s1 += v * x[t + 1, k]
+            out[t, j] = s0
+            out[t + 1, j] = s1
+        t += 2
+    if t < n:
+        for j in range(rows):
+            s = np.float32(0.0)
+            for k in range(k_dim):
+                s += w[j, k] * x[t, k]
+            out[t, j] = s
+
+
+_linear_rows_f32_jit = _jit(_linear_rows_f32)
+
+
+WIDEN_ROWS = 16  # bfloat16 weight rows widened to float32 at a time
+
+
+def _linear_rows(x, w, out, n):  # pragma: no cover - compiled through the overload below
+    """out[:n] = x[:n] @ w^T for a float32 weight, or a bfloat16 one (its uint16 bits): that one is widened to
+    float32 WIDEN_ROWS rows at a time (a bfloat16 is the top half of a float32) and each block goes through the
+    float32 loops."""
 
 
 if numba is not None:
 
-    @numba.extending.overload(_weight_rows)
-    def _weight_rows_typed(w, j0, j1, buf):
+    @numba.extending.overload(_linear_rows)
+    def _linear_rows_typed(x, w, out, n):
         if w.dtype == numba.types.float32:
-            return lambda w, j0, j1, buf: w[j0:j1]
+            return lambda x, w, out, n: _linear_rows_f32_jit(x, w, out, n)
 
-        def widen(w, j0, j1, buf):
-            for r in range(j1 - j0):
-                for k in range(w.shape[1]):
-                    buf[r, k] = np.uint32(w[j0 + r, k]) << np.uint32(16)  # bf16 is the top half of a float32
-            return buf[: j1 - j0].view(np.float32)
+        def widened(x, w, out, n):
+            k_dim = w.shape[1]
+            buf = np.empty((WIDEN_ROWS, k_dim), dtype=np.uint32)
+            for j0 in range(0, w.shape[0], WIDEN_ROWS):
+                block = min(WIDEN_ROWS, w.shape[0] - j0)
+                for r in range(block):
+                    for k in range(k_dim):
+                        buf[r, k] = np.uint32(w[j0 + r, k]) << np.uint32(16)
+                _linear_rows_f32_jit(x, buf[:block].view(np.float32), out[:, j0 : j0 + block], n)
 
-        return widen
-
-
-WIDEN_ROWS = 16  # weight rows taken (and, for bfloat16, widened to float32) at a time
-
-
-def _linear_rows(x, w, out, n):  # pragma: no cover - compiled
-    # out[:n] = x[:n] @ w^T for x [>=n, K] float32, w [J, K] float32 or bfloat16 (uint16 bits). Weight rows
-    # come WIDEN_ROWS at a time, then two at a time against four rows of x: eight sums in registers, six loads
-    # per eight multiply-adds. x and the weight rows must be C-contiguous for the inner loops to vectorise.
-    k_dim = x.shape[1]
-    rows = w.shape[0]
-    buf = np.empty((WIDEN_ROWS, k_dim), dtype=np.uint32)
-    for j0 in range(0, rows, WIDEN_ROWS):
-        block = min(WIDEN_ROWS, rows - j0)
-        wr = _weight_rows(w, j0, j0 + block, buf)
-        j = 0
-        while j + 2 <= block:
-            t = 0
-            while t + 4 <= n:
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                a2 = np.float32(0.0)
-                a3 = np.float32(0.0)
-                b0 = np.float32(0.0)
-                b1 = np.float32(0.0)
-                b2 = np.float32(0.0)
-                b3 = np.float32(0.0)
-                for k in range(k_dim):
-                    v, u = wr[j, k], wr[j + 1, k]
-                    x0, x1, x2, x3 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
-                    a0 += v * x0
-                    a1 += v * x1
-                    a2 += v * x2
-                    a3 += v * x3
-                    b0 += u * x0
-                    b1 += u * x1
-                    b2 += u * x2
-                    b3 += u * x3
-                out[t, j0 + j], out[t + 1, j0 + j], out[t + 2, j0 + j], out[t + 3, j0 + j] = a0, a1, a2, a3
-                out[t, j0 + j + 1], out[t + 1, j0 + j + 1], out[t + 2, j0 + j + 1], out[t + 3, j0 + j + 1] = (
-                    b0,
-                    b1,
-                    b2,
-                    b3,
-                )
-                t += 4
-            while t < n:
-                a0 = np.float32(0.0)
-                b0 = np.float32(0.0)
-                for k in range(k_dim):
-                    a0 += wr[j, k] * x[t, k]
-                    b0 += wr[j + 1, k] * x[t, k]
-                out[t, j0 + j], out[t, j0 + j + 1] = a0, b0
-                t += 1
-            j += 2
-        if j < block:  # an odd last row
-            for t in range(n):
-                a0 = np.float32(0.0)
-                for k in range(k_dim):
-                    a0 += wr[j, k] * x[t, k]
-                out[t, j0 + j] = a0
+        return widened
 
 
-_linear_rows_jit = _jit(_linear_rows)
+def _linear_rows_any(x, w, out, n):  # pragma: no cover - compiled
+    _linear_rows(x, w, out, n)
+
+
+_linear_rows_jit = _jit(_linear_rows_any)
 
 
 LINEAR_CHUNK = 64  # weight rows per task of the threaded linear
 
 
-def _linear(x, w, out):  # pragma: no cover - compiled
-    # out = x @ w^T, the weight's rows in chunks (one task each)
-    rows = w.shape[0]
-    for c in prange((rows + LINEAR_CHUNK - 1) // LINEAR_CHUNK):
-        j0, j1 = c * LINEAR_CHUNK, min(rows, (c + 1) * LINEAR_CHUNK)
+def _linear(x, ws, outs):  # pragma: no cover - compiled
+    # outs[i] = x @ ws[i]^T for a tuple of weights of one dtype (the linears that read the same input), the
+    # weights' rows in chunks of LINEAR_CHUNK, one task each
+    ends = np.zeros(len(ws) + 1, dtype=np.int64)
+    for i in range(len(ws)):
+        ends[i + 1] = ends[i] + (ws[i].shape[0] + LINEAR_CHUNK - 1) // LINEAR_CHUNK
+    for task in prange(ends[len(ws)]):
+        i = 0
+        while ends[i + 1] <= task:
+            i += 1
+        w, out = ws[i], outs[i]
+        j0 = (task - ends[i]) * LINEAR_CHUNK
+        j1 = min(w.shape[0], j0 + LINEAR_CHUNK)
         _linear_rows_jit(x, w[j0:j1], out[:, j0:j1], x.shape[0])
 
 

@@ -25,15 +25,27 @@ FEW_ROWS = 64
 def linear(x: torch.Tensor, weight: torch.Tensor, owner: nn.Module | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in]^T in x's dtype (a bfloat16 weight meets float32 activations on the CPU, see
     deepseek_v4.activation_dtype); `owner`, if given, keeps the weight's numpy view for the kernel."""
+    return linears(x, (weight,), owner)[0]
+
+
+def linears(
+    x: torch.Tensor, weights: tuple[torch.Tensor, ...], owner: nn.Module | None = None
+) -> tuple[torch.Tensor, ...]:
+    """linear(x, w) for each of `weights` (one dtype), in one compiled call on the kernels' path (the
+    projections that read the same input). `owner`, if given, keeps the weights' numpy views."""
     rows = x.numel() // x.shape[-1]
-    if rows <= FEW_ROWS and cpu_kernels.fast(x, weights=(weight,)):
-        w = cpu_kernels.numpy_views(owner, weight)[0] if owner is not None else cpu_kernels.weight_np(weight)
-        out = x.new_empty(*x.shape[:-1], weight.shape[0])
-        cpu_kernels.linear(
-            rows * weight.numel(), x.view(rows, x.shape[-1]).numpy(), w, out.view(rows, weight.shape[0]).numpy()
-        )
-        return out
-    return F.linear(x, weight.to(x.dtype))
+    one_dtype = len(weights) == 1 or all(w.dtype == weights[0].dtype for w in weights)
+    if rows <= FEW_ROWS and one_dtype and cpu_kernels.fast(x, weights=weights):
+        if owner is not None:
+            views = cpu_kernels.numpy_views(owner, *weights)
+        else:
+            views = tuple(cpu_kernels.weight_np(w) for w in weights)
+        outs = tuple(x.new_empty(*x.shape[:-1], w.shape[0]) for w in weights)
+        work = rows * sum(w.numel() for w in weights)
+        flat = tuple(o.view(rows, o.shape[-1]).numpy() for o in outs)
+        cpu_kernels.linear(work, x.view(rows, x.shape[-1]).numpy(), views, flat)
+        return outs
+    return tuple(F.linear(x, w.to(x.dtype)) for w in weights)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
