@@ -471,15 +471,16 @@ linear = Threaded(_linear, min_work=1 << 18)
 def _grouped_linear(x, w, out):  # pragma: no cover - compiled
     # out [T, G, J] = per group g: x[:, g] [T, K] @ w[g] [J, K]^T
     n, groups = x.shape[0], x.shape[1]
-    part = np.empty((n, x.shape[2]), dtype=np.float32)
-    res = np.empty((n, w.shape[1]), dtype=np.float32)
-    for g in range(groups):
+    for g in prange(groups):
+        part = np.empty((n, x.shape[2]), dtype=np.float32)
+        res = np.empty((n, w.shape[1]), dtype=np.float32)
         part[:] = x[:, g]
         _linear_rows_jit(part, w[g], res, n)
         out[:, g] = res
 
 
-grouped_linear = _jit(_grouped_linear)
+# work = multiply-adds
+grouped_linear = Threaded(_grouped_linear, min_work=1 << 18)
 
 
 # --- MoE for a few tokens --------------------------------------------------------------------------------

@@ -52,7 +52,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, G, in], weight [G, out, in] -> [T, G, out]: group g of every row times weight[g]^T."""
     if x.shape[0] <= FEW_ROWS and cpu_kernels.fast(x, weights=(weight,)):
         out = x.new_empty(x.shape[0], x.shape[1], weight.shape[1])
-        cpu_kernels.grouped_linear(x.numpy(), cpu_kernels.weight_np(weight), out.numpy())
+        work = x.shape[0] * weight.numel()
+        cpu_kernels.grouped_linear(work, x.numpy(), cpu_kernels.weight_np(weight), out.numpy())
         return out
     return torch.einsum("tgi,goi->tgo", x, weight.to(x.dtype))
 
