@@ -51,8 +51,9 @@ class Threaded:
         self.all = _jit(fn, parallel=True) if numba is not None else None
 
     def __call__(self, work: int, *args):
-        kernel = self.all if work >= self.min_work and _threads_ok() else self.one
-        return kernel(*args)
+        if work >= self.min_work and _threads_ok():
+            return self.all(*args)
+        return self.one(*args)
 
 
 _threaded_ok: bool | None = None
@@ -232,7 +233,7 @@ def _mhc_weights(mixes, scale, base, hc, hc_eps, iters, out):  # pragma: no cove
     for blk in prange((n + LANES - 1) // LANES):
         t0 = blk * LANES
         lanes = min(LANES, n - t0)
-        m = np.zeros((width, LANES), dtype=np.float32)
+        m = np.zeros((width, lanes), dtype=np.float32)
         for a in range(lanes):
             for j in range(width):
                 m[j, a] = mixes[t0 + a, j]
@@ -257,7 +258,7 @@ def _hc_pre(streams, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, we
         lanes = min(LANES, n - t0)
         raw = np.empty((lanes, width), dtype=np.float32)
         _linear_rows_jit(flat[t0 : t0 + lanes], fn, raw, lanes)
-        m = np.zeros((width, LANES), dtype=np.float32)
+        m = np.zeros((width, lanes), dtype=np.float32)
         for a in range(lanes):
             t = t0 + a
             s = np.float32(0.0)

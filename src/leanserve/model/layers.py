@@ -39,13 +39,14 @@ def linears(
         if owner is not None:
             views = cpu_kernels.numpy_views(owner, *weights)
         else:
-            views = tuple(cpu_kernels.weight_np(w) for w in weights)
-        outs = tuple(x.new_empty(*x.shape[:-1], w.shape[0]) for w in weights)
-        work = rows * sum(w.numel() for w in weights)
-        flat = tuple(o.view(rows, o.shape[-1]).numpy() for o in outs)
+            views = tuple([cpu_kernels.weight_np(w) for w in weights])
+        lead = x.shape[:-1]
+        outs = tuple([x.new_empty(*lead, w.shape[0]) for w in weights])
+        work = rows * sum([w.numel() for w in weights])
+        flat = tuple([o.view(rows, o.shape[-1]).numpy() for o in outs])
         cpu_kernels.linear(work, x.view(rows, x.shape[-1]).numpy(), views, flat)
         return outs
-    return tuple(F.linear(x, w.to(x.dtype)) for w in weights)
+    return tuple([F.linear(x, w.to(x.dtype)) for w in weights])
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -148,8 +148,13 @@ class MoE(nn.Module):
         return self.experts(x, weights, experts) + self.shared_experts(x)
 
     def _matrices(self) -> tuple[torch.Tensor, ...]:
-        experts, shared = self.experts, self.shared_experts
-        return self.gate.weight, experts.w13, experts.w2, shared.w1.weight, shared.w3.weight, shared.w2.weight
+        """The weight matrices (Parameter objects: loading and `.data` assignments keep them)."""
+        matrices = self.__dict__.get("_matrix_params")
+        if matrices is None:
+            experts, shared = self.experts, self.shared_experts
+            matrices = (self.gate.weight, experts.w13, experts.w2, shared.w1.weight, shared.w3.weight, shared.w2.weight)
+            self.__dict__["_matrix_params"] = matrices
+        return matrices
 
     def _few_tokens(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         gate, experts = self.gate, self.experts
