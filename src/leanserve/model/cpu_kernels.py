@@ -137,13 +137,15 @@ def weight_np(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def numpy_views(owner: object, *tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
-    """Numpy views of an owner's persistent tensors (weights), kept on the owner and made again only when a
-    tensor's storage changes (loading, `.data` assignment): a view costs more than some kernels it feeds."""
-    ptrs = tuple(t.data_ptr() for t in tensors)
-    cached = owner.__dict__.get("_numpy_views")
+def numpy_views(owner: object, *tensors: torch.Tensor, key: str = "") -> tuple[np.ndarray, ...]:
+    """Numpy views of an owner's persistent tensors (weights), kept on the owner under `key` and made again
+    only when a tensor's storage changes (loading, `.data` assignment): a view costs more than some kernels
+    it feeds."""
+    ptrs = tuple([t.data_ptr() for t in tensors])
+    kept = owner.__dict__.setdefault("_numpy_views", {})
+    cached = kept.get(key)
     if cached is None or cached[0] != ptrs:
-        cached = owner.__dict__["_numpy_views"] = (ptrs, tuple(weight_np(t) for t in tensors))
+        cached = kept[key] = (ptrs, tuple([weight_np(t) for t in tensors]))
     return cached[1]
 
 

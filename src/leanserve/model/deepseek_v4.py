@@ -12,7 +12,7 @@ from torch import nn
 
 from leanserve.config import SLIDING, ModelConfig
 from leanserve.memory import KV_CACHE, ROPE, SPEC_MTP, MemoryLedger
-from leanserve.model import cpu_kernels
+from leanserve.model import cpu_kernels, decode
 from leanserve.model.attention import Rope
 from leanserve.model.batch import ForwardBatch
 from leanserve.model.block import Block
@@ -121,11 +121,14 @@ class DeepseekV4(nn.Module):
         fb.logits_index (last stage). `target_hidden`, when given, receives the pre-hc_head streams
         [T, hc_mult * hidden] (for the MTP drafter)."""
         ropes = self.ropes(fb)
-        if self.stage.is_first:
-            x = self.embed_tokens(fb.input_ids)
-            streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for key, block in self.layers.items():
-            streams = block(streams, fb, caches[key], ropes)
+        if decode.eligible(fb, self.act_dtype):  # decode-sized CPU steps: numpy arrays through the kernels
+            streams = decode.run_blocks(self, fb, caches, ropes, None if self.stage.is_first else streams)
+        else:
+            if self.stage.is_first:
+                x = self.embed_tokens(fb.input_ids)
+                streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+            for key, block in self.layers.items():
+                streams = block(streams, fb, caches[key], ropes)
         if not self.stage.is_last:
             return streams
         if target_hidden is not None:

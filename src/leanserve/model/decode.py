@@ -1,0 +1,182 @@
+"""The trunk's blocks for a decode-sized step on the CPU, as numpy arrays through the compiled kernels.
+
+The torch forward (block.py, attention.py, moe.py) calls the same kernels on decode steps, but it wraps each
+in torch tensors: an output tensor, its numpy view, the inputs' views, each about a microsecond, dozens of them
+per layer. At batch 1 that orchestration costs more than the arithmetic. Here a step runs on numpy arrays from
+the embedding to the last block: weights' and caches' views are made once and kept, the step's metadata is
+converted once for all layers, intermediate outputs are plain numpy arrays. The logits tail (hc_head, norm,
+head) stays in torch. `eligible` says which steps take this path; tests/test_kernels.py checks it against
+the torch path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from leanserve.model import cpu_kernels as ck
+from leanserve.model.batch import ForwardBatch
+from leanserve.model.cache import LayerCache
+
+MOST_TOKENS = 64  # steps up to this many tokens (decode, speculative verification)
+NO_ROWS = np.empty((1, 0, 1), dtype=np.float32)
+NO_CHOICE = np.empty((0, 0, 0), dtype=np.bool_)
+NO_NEW_KV = np.empty((0, 1), dtype=np.float32)
+NO_TABLE = np.empty((0, 0), dtype=np.int64)
+SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+
+
+def eligible(fb: ForwardBatch, act_dtype: torch.dtype) -> bool:
+    """A step of short chunks whose rows go into the rings first (one attention group), on the CPU in float32
+    with the kernels available."""
+    return (
+        ck.available()
+        and act_dtype == torch.float32
+        and fb.num_tokens <= MOST_TOKENS
+        and len(fb.groups) == 1
+        and fb.window_write_first
+        and all(m.write_first for m in fb.compress.values())
+        and fb.input_ids.is_cpu
+    )
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return ck.weight_np(t)
+
+
+class _Step:
+    """The step's metadata as numpy arrays, converted once for all layers."""
+
+    def __init__(self, fb: ForwardBatch, ropes: dict[str, torch.Tensor]) -> None:
+        g = fb.groups[0]
+        self.ids = fb.input_ids.numpy()
+        self.angles = {k: torch.view_as_real(r.contiguous()).numpy() for k, r in ropes.items()}
+        self.window = fb.window_write.src.numpy(), fb.window_write.dst.numpy()
+        self.q_rows, self.q_valid = g.q_rows.numpy(), g.q_valid.numpy()
+        self.key_index, self.key_mask, self.block_slot = g.key_index.numpy(), g.key_mask.numpy(), g.block_slot.numpy()
+        self.max_visible = g.max_visible
+        self.visible = {k: v.numpy() for k, v in g.visible.items()}
+        self.no_visible = np.zeros_like(self.q_rows)
+        self.compress = {
+            kind: (m.write.src.numpy(), m.write.dst.numpy(), m.src.numpy(), m.src_valid.numpy(), m.row_dst.numpy())
+            for kind, m in fb.compress.items()
+        }
+
+
+def run_blocks(model, fb: ForwardBatch, caches: dict[str, LayerCache], ropes, streams: torch.Tensor | None):
+    """The stage's blocks over `fb` (see `eligible`): embeds on a first stage, else starts from `streams`;
+    returns the output streams [T, hc, hidden] as a torch tensor (sharing the numpy array's memory)."""
+    step = _Step(fb, ropes)
+    if streams is None:
+        table = ck.numpy_views(model.embed, model.embed.weight)[0]
+        rows = table[step.ids]
+        x = rows if rows.dtype == np.float32 else (rows.astype(np.uint32) << 16).view(np.float32)
+        s = np.ascontiguousarray(np.broadcast_to(x[:, None, :], (x.shape[0], model.cfg.hc_mult, x.shape[1])))
+    else:
+        s = streams.numpy()
+    for key, block in model.layers.items():
+        s = _block(block, s, step, caches[key])
+    return torch.from_numpy(s)
+
+
+def _block(b, s: np.ndarray, step: _Step, cache: LayerCache) -> np.ndarray:
+    hc = s.shape[1]
+    for site, sub in (("attn", _attention), ("ffn", _moe)):
+        fn, base, scale = (getattr(b, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
+        norm = b.attn_norm if site == "attn" else b.ffn_norm
+        fn_np, base_np, scale_np, norm_np = ck.numpy_views(norm, fn, base, scale, norm.weight, key="mhc")
+        n = s.shape[0]
+        x = np.empty((n, s.shape[2]), dtype=np.float32)
+        weights = np.empty((n, fn_np.shape[0]), dtype=np.float32)
+        ck.hc_pre(n, s, fn_np, scale_np, base_np, b.hc_eps, b.sinkhorn_iters, b.norm_eps, norm_np, x, weights)
+        out = sub(b.attn if site == "attn" else b.ffn, x, step, cache)
+        post, comb = weights[:, hc : 2 * hc], weights[:, 2 * hc :].reshape(n, hc, hc)
+        mixed = np.empty_like(s)
+        ck.hc_post(n, out, s, post, comb, mixed)
+        s = mixed
+    return s
+
+
+def _linears(x: np.ndarray, views: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    outs = tuple([np.empty((x.shape[0], w.shape[0]), dtype=np.float32) for w in views])
+    ck.linear(x.shape[0] * sum([w.size for w in views]), x, views, outs)
+    return outs
+
+
+def _rope(x: np.ndarray, angles: np.ndarray, eps: float, normalize: bool, weight: np.ndarray) -> np.ndarray:
+    """(RMSNorm per head, then) RoPE: x [T, H, D]."""
+    out = np.empty_like(x)
+    ck.norm_rope(x.shape[0], x, weight, eps, normalize, angles, False, out)
+    return out
+
+
+def _attention(a, x: np.ndarray, step: _Step, cache: LayerCache) -> np.ndarray:
+    n, heads, dim = x.shape[0], a.n_heads, a.head_dim
+    inputs = ck.numpy_views(a, *(m.weight for m in a._inputs))
+    projected = _linears(x, inputs)
+    weights = a.q_norm.weight, a.wq_b.weight, a.norm.weight, a.wo_a.weight, a.wo_b.weight, a.attn_sink
+    q_norm, wq_b, kv_norm, wo_a, wo_b, sink = ck.numpy_views(a, *weights, key="decode")
+    q_residual = np.empty_like(projected[0])
+    ck.rms_norm(n, projected[0], q_norm, a.q_norm.eps, q_residual)
+    angles = step.angles[a.rope_kind]
+    q = _rope(_linears(q_residual, (wq_b,))[0].reshape(n, heads, dim), angles, a.eps, True, ck.EMPTY)
+    kv = _rope(projected[1].reshape(n, 1, dim), angles, a.eps, True, kv_norm).reshape(n, dim)
+    ring = cache.window_kv.numpy().reshape(-1, dim)
+    src, dst = step.window
+    ring[dst] = kv[src]
+    chosen, visible, rows, most = NO_CHOICE, step.no_visible, NO_ROWS, 0
+    if a.compressor is not None:
+        kind = a.layer_type
+        _compress(a.compressor, projected[2], projected[3], step, kind, cache.comp_kv, cache.comp_gate, cache.comp_rows)
+        most = step.max_visible[kind]
+        if most:
+            visible, rows = step.visible[kind], cache.comp_rows.numpy()
+        if a.indexer is not None:
+            idx = a.indexer
+            _compress(
+                idx.compressor, projected[4], projected[5], step, kind, cache.idx_kv, cache.idx_gate, cache.idx_rows
+            )
+            if most > idx.topk:
+                (idx_wq_b,) = ck.numpy_views(idx, idx.wq_b.weight)
+                iq = _linears(q_residual, (idx_wq_b,))[0].reshape(n, idx.n_heads, idx.head_dim)
+                iq = _rope(iq, angles, 0.0, False, ck.EMPTY)
+                head_w = projected[6] * np.float32(idx.n_heads**-0.5)
+                chosen = np.empty((*step.q_rows.shape, most), dtype=np.bool_)
+                ck.index_select(
+                    step.q_rows.shape[0], iq, head_w, step.q_rows, step.q_valid, step.block_slot,
+                    cache.idx_rows.numpy(), visible, idx.topk, idx.head_dim**-0.5, chosen,
+                )  # fmt: skip
+    out = np.empty_like(q)
+    ck.attend(
+        step.q_rows.shape[0], q, ring, NO_NEW_KV, step.q_rows, step.q_valid, step.key_index, step.key_mask,
+        step.block_slot, rows, visible, chosen, sink, dim**-0.5, angles, out,
+    )  # fmt: skip
+    grouped = out.reshape(n, a.o_groups, -1)
+    w = wo_a.reshape(a.o_groups, -1, grouped.shape[-1])
+    low = np.empty((n, a.o_groups, w.shape[1]), dtype=np.float32)
+    ck.grouped_linear(n * w.size, grouped, w, low)
+    return _linears(low.reshape(n, -1), (wo_b,))[0]
+
+
+def _compress(c, kv: np.ndarray, gate: np.ndarray, step: _Step, kind: str, kv_ring, gate_ring, rows) -> None:
+    write_src, write_dst, src, src_valid, row_dst = step.compress[kind]
+    ape, norm_w = ck.numpy_views(c, c.ape, c.norm.weight)
+    width = kv.shape[1]
+    ck.compress(
+        kv, gate, write_src, write_dst, kv_ring.numpy().reshape(-1, width), gate_ring.numpy().reshape(-1, width),
+        src, src_valid, ape, c.overlap, norm_w, c.norm.eps, step.angles[kind], rows.numpy().reshape(-1, c.dim),
+        row_dst,
+    )  # fmt: skip
+
+
+def _moe(m, x: np.ndarray, step: _Step, cache: LayerCache) -> np.ndarray:
+    gate, experts = m.gate, m.experts
+    routing = gate.tid2eid if gate.is_hash else gate.bias
+    gate_w, w13, w2, sw1, sw3, sw2, route = ck.numpy_views(m, *m._matrices(), routing)
+    bias, table = (ck.EMPTY, route) if gate.is_hash else (route, NO_TABLE)
+    out = np.empty_like(x)
+    ck.moe_tokens(
+        x.shape[0], x, step.ids, gate_w, bias, table, gate.top_k, SCORING[gate.scoring_func], gate.scale,
+        w13, w2, sw1, sw3, sw2, experts.limit, out,
+    )  # fmt: skip
+    return out
