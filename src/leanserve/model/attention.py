@@ -25,9 +25,6 @@ from leanserve.model.layers import Linear, RMSNorm, apply_rope, fp32_param, grou
 
 Rope = torch.Tensor  # complex RoPE factors, see layers.Rotary
 
-# Steps of up to this many tokens (decode, speculative verification) attend through the compiled CPU kernel;
-# longer ones (prefill) through batched torch matmuls.
-FEW_QUERIES = 64
 NO_ROWS = np.empty((1, 0, 1), dtype=np.float32)
 NO_CHOICE = np.empty((0, 0, 0), dtype=np.bool_)
 
@@ -96,7 +93,9 @@ class Attention(nn.Module):
                 if any(g.max_visible[self.layer_type] > self.indexer.topk for g in fb.groups):
                     index_queries = self.indexer.queries(q_residual, projected[6], rope)
         new_kv = None if fb.window_write_first else kv.to(ring.dtype)
-        if num_tokens <= FEW_QUERIES and cpu_kernels.fast(q, ring, new_kv):
+        # On the CPU in float32 every step attends through the compiled kernel (threaded over query blocks: no
+        # [blocks, heads, queries, keys] score tensors); elsewhere through batched torch matmuls.
+        if cpu_kernels.fast(q, ring, new_kv):
             out = self._attend_kernel(q, ring, new_kv, fb, cache, index_queries, rope)
         else:
             out = self._attend_torch(q, ring, new_kv, fb, cache, index_queries, rope)

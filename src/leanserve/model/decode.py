@@ -79,6 +79,11 @@ def run_blocks(model, fb: ForwardBatch, caches: dict[str, LayerCache], ropes, st
     return torch.from_numpy(s)
 
 
+def run_block(block, streams: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes) -> torch.Tensor:
+    """One block over `fb` (see `eligible`): the MTP layer's. streams [T, hc, hidden], contiguous float32."""
+    return torch.from_numpy(_block(block, streams.numpy(), _Step(fb, ropes), cache))
+
+
 def _block(b, s: np.ndarray, step: _Step, cache: LayerCache) -> np.ndarray:
     hc = s.shape[1]
     for site, sub in (("attn", _attention), ("ffn", _moe)):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from leanserve.config import MOE, SLIDING, ModelConfig
+from leanserve.model import decode
 from leanserve.model.attention import Rope
 from leanserve.model.batch import ForwardBatch
 from leanserve.model.block import Block
@@ -38,6 +39,9 @@ class MTPBlock(Block):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed hidden [T, hidden] for the shared head, output streams [T, hc, hidden])."""
         x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(embedded)).unsqueeze(1)
-        out = super().forward(x, fb, cache, ropes)
+        if decode.eligible(fb, x.dtype) and x.is_contiguous():
+            out = decode.run_block(self, x, fb, cache, ropes)
+        else:
+            out = super().forward(x, fb, cache, ropes)
         collapsed = hc_head(out, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm_eps, self.hc_eps)
         return self.norm(collapsed), out
