@@ -69,6 +69,16 @@ class CompressMeta:
     write: RingWrite
     write_first: bool
 
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """Numpy views for the compressor kernel: write src, write dst, src, src_valid, row_dst."""
+        return (
+            self.write.src.numpy(),
+            self.write.dst.numpy(),
+            self.src.numpy(),
+            self.src_valid.numpy(),
+            self.row_dst.numpy(),
+        )
+
 
 @dataclass
 class ForwardBatch:

@@ -48,11 +48,8 @@ class Compressor(nn.Module):
         kv_flat, gate_flat = kv_ring.view(-1, width), gate_ring.view(-1, width)
         if meta.write_first and kv.shape[0] <= FEW_TOKENS and cpu_kernels.fast(kv, gate, kv_ring, gate_ring, rows):
             angles = torch.view_as_real(row_rope.contiguous()).numpy()  # [NW, R/2, 2]
-            cpu_kernels.compress(
-                kv.numpy(), gate.numpy(), meta.write.src.numpy(), meta.write.dst.numpy(), kv_flat.numpy(),
-                gate_flat.numpy(), meta.src.numpy(), meta.src_valid.numpy(), self.ape.numpy(), self.overlap,
-                self.norm.weight.numpy(), self.norm.eps, angles, rows.view(-1, self.dim).numpy(), meta.row_dst.numpy(),
-            )  # fmt: skip
+            rings = kv_flat.numpy(), gate_flat.numpy(), rows.view(-1, self.dim).numpy()
+            self.kernel(kv.numpy(), gate.numpy(), meta.arrays(), *rings, angles)
             return
         if meta.write_first:
             self._store(kv, gate, kv_flat, gate_flat, meta)
@@ -76,6 +73,16 @@ class Compressor(nn.Module):
             rows.view(-1, self.dim).index_copy_(0, meta.row_dst, entries.to(rows.dtype))
         if not meta.write_first:
             self._store(kv, gate, kv_flat, gate_flat, meta)
+
+    def kernel(self, kv, gate, meta_arrays, kv_ring, gate_ring, rows, angles) -> None:
+        """A write-first step as one compiled call on numpy arrays: kv, gate [T, width]; meta_arrays from
+        CompressMeta.arrays(); the rings [slots * B, width]; rows [slots * max_rows, dim]; angles [NW, R/2, 2]."""
+        write_src, write_dst, src, src_valid, row_dst = meta_arrays
+        ape, norm_w = cpu_kernels.numpy_views(self, self.ape, self.norm.weight)
+        cpu_kernels.compress(
+            kv, gate, write_src, write_dst, kv_ring, gate_ring, src, src_valid, ape, self.overlap, norm_w,
+            self.norm.eps, angles, rows, row_dst,
+        )  # fmt: skip
 
     @staticmethod
     def _store(kv: torch.Tensor, gate: torch.Tensor, kv_flat: torch.Tensor, gate_flat: torch.Tensor, meta) -> None:

@@ -15,15 +15,12 @@ import numpy as np
 import torch
 
 from leanserve.model import cpu_kernels as ck
+from leanserve.model.attention import NO_CHOICE, NO_ROWS
 from leanserve.model.batch import ForwardBatch
 from leanserve.model.cache import LayerCache
 
 MOST_TOKENS = 64  # steps up to this many tokens (decode, speculative verification)
-NO_ROWS = np.empty((1, 0, 1), dtype=np.float32)
-NO_CHOICE = np.empty((0, 0, 0), dtype=np.bool_)
 NO_NEW_KV = np.empty((0, 1), dtype=np.float32)
-NO_TABLE = np.empty((0, 0), dtype=np.int64)
-SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
 def eligible(fb: ForwardBatch, act_dtype: torch.dtype) -> bool:
@@ -57,10 +54,7 @@ class _Step:
         self.max_visible = g.max_visible
         self.visible = {k: v.numpy() for k, v in g.visible.items()}
         self.no_visible = np.zeros_like(self.q_rows)
-        self.compress = {
-            kind: (m.write.src.numpy(), m.write.dst.numpy(), m.src.numpy(), m.src_valid.numpy(), m.row_dst.numpy())
-            for kind, m in fb.compress.items()
-        }
+        self.compress = {kind: m.arrays() for kind, m in fb.compress.items()}
 
 
 def run_blocks(model, fb: ForwardBatch, caches: dict[str, LayerCache], ropes, streams: torch.Tensor | None):
@@ -164,24 +158,12 @@ def _attention(a, x: np.ndarray, step: _Step, cache: LayerCache) -> np.ndarray:
 
 
 def _compress(c, kv: np.ndarray, gate: np.ndarray, step: _Step, kind: str, kv_ring, gate_ring, rows) -> None:
-    write_src, write_dst, src, src_valid, row_dst = step.compress[kind]
-    ape, norm_w = ck.numpy_views(c, c.ape, c.norm.weight)
     width = kv.shape[1]
-    ck.compress(
-        kv, gate, write_src, write_dst, kv_ring.numpy().reshape(-1, width), gate_ring.numpy().reshape(-1, width),
-        src, src_valid, ape, c.overlap, norm_w, c.norm.eps, step.angles[kind], rows.numpy().reshape(-1, c.dim),
-        row_dst,
-    )  # fmt: skip
+    rings = kv_ring.numpy().reshape(-1, width), gate_ring.numpy().reshape(-1, width), rows.numpy().reshape(-1, c.dim)
+    c.kernel(kv, gate, step.compress[kind], *rings, step.angles[kind])
 
 
 def _moe(m, x: np.ndarray, step: _Step, cache: LayerCache) -> np.ndarray:
-    gate, experts = m.gate, m.experts
-    routing = gate.tid2eid if gate.is_hash else gate.bias
-    gate_w, w13, w2, sw1, sw3, sw2, route = ck.numpy_views(m, *m._matrices(), routing)
-    bias, table = (ck.EMPTY, route) if gate.is_hash else (route, NO_TABLE)
     out = np.empty_like(x)
-    ck.moe_tokens(
-        x.shape[0], x, step.ids, gate_w, bias, table, gate.top_k, SCORING[gate.scoring_func], gate.scale,
-        w13, w2, sw1, sw3, sw2, experts.limit, out,
-    )  # fmt: skip
+    m.kernel(x, step.ids, out)
     return out

@@ -157,13 +157,17 @@ class MoE(nn.Module):
         return matrices
 
     def _few_tokens(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self.kernel(x.numpy(), input_ids.numpy(), out.numpy())
+        return out
+
+    def kernel(self, x: np.ndarray, input_ids: np.ndarray, out: np.ndarray) -> None:
+        """The whole MoE as one compiled call on numpy arrays: x, out [T, hidden] float32."""
         gate, experts = self.gate, self.experts
         routing = gate.tid2eid if gate.is_hash else gate.bias
         gate_w, w13, w2, sw1, sw3, sw2, route = cpu_kernels.numpy_views(self, *self._matrices(), routing)
         bias, table = (cpu_kernels.EMPTY, route) if gate.is_hash else (route, NO_TABLE)
-        out = torch.empty_like(x)
         cpu_kernels.moe_tokens(
-            x.shape[0], x.numpy(), input_ids.numpy(), gate_w, bias, table, gate.top_k, SCORING[gate.scoring_func], gate.scale,
-            w13, w2, sw1, sw3, sw2, experts.limit, out.numpy(),
+            x.shape[0], x, input_ids, gate_w, bias, table, gate.top_k, SCORING[gate.scoring_func], gate.scale,
+            w13, w2, sw1, sw3, sw2, experts.limit, out,
         )  # fmt: skip
-        return out
