@@ -17,10 +17,6 @@ from leanserve.model import cpu_kernels
 from leanserve.model.batch import AttnGroup, CompressMeta
 from leanserve.model.layers import Linear, RMSNorm, apply_rope, fp32_param
 
-# Steps of up to this many tokens whose rows go into the rings first (decode, verification) run the compressor
-# as one compiled call on the CPU.
-FEW_TOKENS = 64
-
 
 class Compressor(nn.Module):
     def __init__(self, hidden_size: int, dim: int, ratio: int, overlap: bool, eps: float) -> None:
@@ -46,10 +42,10 @@ class Compressor(nn.Module):
         projections in the rings. (The attention computes the projections with its other ones.)"""
         width = kv.shape[-1]
         kv_flat, gate_flat = kv_ring.view(-1, width), gate_ring.view(-1, width)
-        if meta.write_first and kv.shape[0] <= FEW_TOKENS and cpu_kernels.fast(kv, gate, kv_ring, gate_ring, rows):
+        if cpu_kernels.fast(kv, gate, kv_ring, gate_ring, rows):
             angles = torch.view_as_real(row_rope.contiguous()).numpy()  # [NW, R/2, 2]
             rings = kv_flat.numpy(), gate_flat.numpy(), rows.view(-1, self.dim).numpy()
-            self.kernel(kv.numpy(), gate.numpy(), meta.arrays(), *rings, angles)
+            self.kernel(kv.numpy(), gate.numpy(), meta.arrays(), *rings, angles, meta.write_first)
             return
         if meta.write_first:
             self._store(kv, gate, kv_flat, gate_flat, meta)
@@ -74,14 +70,14 @@ class Compressor(nn.Module):
         if not meta.write_first:
             self._store(kv, gate, kv_flat, gate_flat, meta)
 
-    def kernel(self, kv, gate, meta_arrays, kv_ring, gate_ring, rows, angles) -> None:
-        """A write-first step as one compiled call on numpy arrays: kv, gate [T, width]; meta_arrays from
+    def kernel(self, kv, gate, meta_arrays, kv_ring, gate_ring, rows, angles, write_first: bool) -> None:
+        """The step as one compiled call on numpy arrays: kv, gate [T, width]; meta_arrays from
         CompressMeta.arrays(); the rings [slots * B, width]; rows [slots * max_rows, dim]; angles [NW, R/2, 2]."""
         write_src, write_dst, src, src_valid, row_dst = meta_arrays
         ape, norm_w = cpu_kernels.numpy_views(self, self.ape, self.norm.weight)
         cpu_kernels.compress(
-            kv, gate, write_src, write_dst, kv_ring, gate_ring, src, src_valid, ape, self.overlap, norm_w,
-            self.norm.eps, angles, rows, row_dst,
+            src.shape[0], kv, gate, write_src, write_dst, kv_ring, gate_ring, write_first, src, src_valid, ape,
+            self.overlap, norm_w, self.norm.eps, angles, rows, row_dst,
         )  # fmt: skip
 
     @staticmethod

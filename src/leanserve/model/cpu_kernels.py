@@ -612,39 +612,53 @@ moe_tokens = Threaded(_moe_tokens, min_work=1)
 
 
 # --- KV compressor, decode-sized steps ------------------------------------------------------------------
-def _compress(kv, gate, src_rows, dst_rows, kv_ring, gate_ring, src, src_valid, ape, overlap, w, eps, freqs, rows,
-              row_dst):  # fmt: skip
-    # (compiled) One compressor step when its rows go into the rings first (write_first, see model/batch.py):
-    # stores kv/gate [T, width] rows src_rows at ring rows dst_rows, then for each window closing this step
-    # (src [NW, span] ring rows, src_valid [NW, span]) pools the window per channel with a softmax over
-    # gate + ape [r, width], RMS-normalises the entry (times w [dim]), rotates its trailing channels by freqs
-    # [NW, R/2, 2] and writes it to rows [*, dim] row row_dst. CSA (overlap): the first r slots take channels
-    # [0, dim) (the previous window's Ca), the last r channels [dim, 2*dim) (this window's Cb).
+def _store_rows(kv, gate, src_rows, dst_rows, kv_ring, gate_ring):  # pragma: no cover - compiled
     for i in range(src_rows.shape[0]):
         for c in range(kv.shape[1]):
             kv_ring[dst_rows[i], c] = kv[src_rows[i], c]
             gate_ring[dst_rows[i], c] = gate[src_rows[i], c]
+
+
+_store_rows_jit = _jit(_store_rows)
+
+
+def _compress(kv, gate, src_rows, dst_rows, kv_ring, gate_ring, write_first, src, src_valid, ape, overlap, w, eps,
+              freqs, rows, row_dst):  # fmt: skip
+    # (compiled) One compressor step: stores this step's kv/gate [T, width] rows src_rows at ring rows dst_rows
+    # (before reading, with write_first, else after: see model/batch.py), and for each window closing this
+    # step (src [NW, span] store rows: the ring, then this step's rows; src_valid [NW, span]) pools the window
+    # per channel with a softmax over gate + ape [r, width], RMS-normalises the entry (times w [dim]), rotates
+    # its trailing channels by freqs [NW, R/2, 2] and writes it to rows [*, dim] row row_dst. CSA (overlap):
+    # the first r slots take channels [0, dim) (the previous window's Ca), the last r channels [dim, 2*dim)
+    # (this window's Cb).
+    if write_first:
+        _store_rows_jit(kv, gate, src_rows, dst_rows, kv_ring, gate_ring)
+    ring_rows = kv_ring.shape[0]
     span = src.shape[1]
     ratio = ape.shape[0]
     dim = rows.shape[1]
     half = freqs.shape[1]
     lead = dim - 2 * half
-    entry = np.empty(dim, dtype=np.float32)
-    for v in range(src.shape[0]):
+    for v in prange(src.shape[0]):
+        entry = np.empty(dim, dtype=np.float32)
         for c in range(dim):
             top = np.float32(-np.inf)
             for p in range(span):
                 if src_valid[v, p]:
                     ch = c + dim if overlap and p >= ratio else c
-                    top = max(top, gate_ring[src[v, p], ch] + ape[p % ratio, ch])
+                    r = src[v, p]
+                    g = gate_ring[r, ch] if r < ring_rows else gate[r - ring_rows, ch]
+                    top = max(top, g + ape[p % ratio, ch])
             total = np.float32(0.0)
             acc = np.float32(0.0)
             for p in range(span):
                 if src_valid[v, p]:
                     ch = c + dim if overlap and p >= ratio else c
-                    e = np.float32(math.exp(gate_ring[src[v, p], ch] + ape[p % ratio, ch] - top))
+                    r = src[v, p]
+                    g = gate_ring[r, ch] if r < ring_rows else gate[r - ring_rows, ch]
+                    e = np.float32(math.exp(g + ape[p % ratio, ch] - top))
                     total += e
-                    acc += e * kv_ring[src[v, p], ch]
+                    acc += e * (kv_ring[r, ch] if r < ring_rows else kv[r - ring_rows, ch])
             entry[c] = acc / total
         s = np.float32(0.0)
         for c in range(dim):
@@ -659,8 +673,12 @@ def _compress(kv, gate, src_rows, dst_rows, kv_ring, gate_ring, src, src_valid, 
             out[lead + 2 * q] = re * cr - im * ci
             out[lead + 2 * q + 1] = re * ci + im * cr
 
+    if not write_first:
+        _store_rows_jit(kv, gate, src_rows, dst_rows, kv_ring, gate_ring)
 
-compress = _jit(_compress)
+
+# work = windows closing this step
+compress = Threaded(_compress, min_work=16)
 
 
 # --- attention over a step's query blocks -----------------------------------------------------------------

@@ -160,7 +160,7 @@ def _attention(a, x: np.ndarray, step: _Step, cache: LayerCache) -> np.ndarray:
 def _compress(c, kv: np.ndarray, gate: np.ndarray, step: _Step, kind: str, kv_ring, gate_ring, rows) -> None:
     width = kv.shape[1]
     rings = kv_ring.numpy().reshape(-1, width), gate_ring.numpy().reshape(-1, width), rows.numpy().reshape(-1, c.dim)
-    c.kernel(kv, gate, step.compress[kind], *rings, step.angles[kind])
+    c.kernel(kv, gate, step.compress[kind], *rings, step.angles[kind], True)
 
 
 def _moe(m, x: np.ndarray, step: _Step, cache: LayerCache) -> np.ndarray:
