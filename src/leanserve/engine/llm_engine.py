@@ -18,6 +18,7 @@ from leanserve.engine.scheduler import Scheduler
 from leanserve.engine.sequence import Sequence
 from leanserve.engine.topology import PipelineTopology
 from leanserve.memory import StageMemory, format_bytes, format_table
+from leanserve.model import cpu_kernels
 from leanserve.model.loader import checkpoint_dtype, has_mtp_weights
 from leanserve.outputs import RequestMetrics
 from leanserve.sampling_params import SamplingParams
@@ -101,10 +102,14 @@ class LLMEngine:
             runner.warmup()
             self.executor: LocalExecutor | PipelineDriver = LocalExecutor(runner)
         else:
+            # The stages share this machine's cores: each gets its share (more threads than cores, and the
+            # threaded kernels wait on each other's busy cores).
+            threads = max(1, torch.get_num_threads() // self.topology.num_stages)
+            if config.device == "cpu":
+                cpu_kernels.limit_threads(threads)  # this process runs stage 0
             spec = LaunchSpec(
-                config, cfg, self.topology, str(self.dtype).removeprefix("torch."), self.max_model_len,
-                torch.get_num_threads(),
-            )  # fmt: skip
+                config, cfg, self.topology, str(self.dtype).removeprefix("torch."), self.max_model_len, threads
+            )
             self.executor = PipelineDriver(spec, progress)
         for info in self.executor.infos:
             m = info.memory
@@ -130,6 +135,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.topology.num_stages > 1:
+            cpu_kernels.limit_threads(None)
 
     # --- requests -------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -58,6 +58,13 @@ class Threaded:
 
 _threaded_ok: bool | None = None
 _one_thread = False
+_max_threads: int | None = None  # a cap (pipeline stages sharing the machine's cores), None = torch's count
+
+
+def limit_threads(n: int | None) -> None:
+    """Caps the kernels' threads in this process (None: follow torch's thread count)."""
+    global _max_threads
+    _max_threads = n
 
 
 @contextlib.contextmanager
@@ -76,7 +83,7 @@ def _threads_ok() -> bool:
     and numba has more than one and its OpenMP (or TBB) threading layer. Its fallback layer (workqueue) costs
     more to wake than these kernels take, so it is not used."""
     global _threaded_ok
-    if _one_thread or torch.get_num_threads() < 2:
+    if _one_thread or torch.get_num_threads() < 2 or (_max_threads is not None and _max_threads < 2):
         return False
     if _threaded_ok is None:
         _threaded_ok = False
