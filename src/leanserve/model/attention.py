@@ -27,6 +27,7 @@ Rope = torch.Tensor  # complex RoPE factors, see layers.Rotary
 
 NO_ROWS = np.empty((1, 0, 1), dtype=np.float32)
 NO_CHOICE = np.empty((0, 0, 0), dtype=np.bool_)
+NO_NEW_KV = np.empty((0, 1), dtype=np.float32)  # (a step whose rows went into the ring first)
 
 
 class Attention(nn.Module):
@@ -129,28 +130,34 @@ class Attention(nn.Module):
 
     def _attend_kernel(self, q, ring, new_kv, fb: ForwardBatch, cache: LayerCache, index_queries, rope):
         out = torch.empty_like(q)
-        arrays = q.numpy(), ring.numpy(), cpu_kernels.EMPTY.reshape(0, 1) if new_kv is None else new_kv.numpy()
+        arrays = q.numpy(), ring.numpy(), NO_NEW_KV if new_kv is None else new_kv.numpy()
         angles = torch.view_as_real(rope.contiguous()).numpy()
-        rows = cache.comp_rows.numpy() if cache.comp_rows is not None else NO_ROWS
-        sink, scale = self.attn_sink.numpy(), self.head_dim**-0.5
+        iq = None if index_queries is None else (index_queries[0].numpy(), index_queries[1].numpy())
         for g in fb.groups:
-            n = g.max_visible[self.layer_type] if self.compressor is not None else 0
-            visible = g.visible[self.layer_type] if n else torch.zeros_like(g.q_rows)
-            chosen = NO_CHOICE
-            if index_queries is not None and n > self.indexer.topk:
-                chosen = np.empty((*g.q_rows.shape, n), dtype=np.bool_)
-                cpu_kernels.index_select(
-                    g.q_rows.shape[0],
-                    index_queries[0].numpy(), index_queries[1].numpy(), g.q_rows.numpy(), g.q_valid.numpy(),
-                    g.block_slot.numpy(), cache.idx_rows.numpy(), visible.numpy(), self.indexer.topk,
-                    self.indexer.head_dim**-0.5, chosen,
-                )  # fmt: skip
-            cpu_kernels.attend(
-                g.q_rows.shape[0],
-                *arrays, g.q_rows.numpy(), g.q_valid.numpy(), g.key_index.numpy(), g.key_mask.numpy(),
-                g.block_slot.numpy(), rows, visible.numpy(), chosen, sink, scale, angles, out.numpy(),
-            )  # fmt: skip
+            most = g.max_visible[self.layer_type] if self.compressor is not None else 0
+            visible = g.visible[self.layer_type].numpy() if most else np.zeros(g.q_rows.shape, dtype=np.int64)
+            self.attend_arrays(*arrays, g.arrays(), most, visible, cache, iq, angles, out.numpy())
         return out
+
+    def attend_arrays(self, q, ring, new_kv, group, most: int, visible, cache: LayerCache, index_queries, angles, out):
+        """The attention kernels for one group of query blocks, on numpy arrays (see cpu_kernels.attend): q, out
+        [T, H, D]; the window ring and this step's new rows (or NO_NEW_KV); group from AttnGroup.arrays();
+        visible [NB, Bq] the compressed rows each query may see, `most` their maximum; index_queries the
+        indexer's (queries, head weights), or None when it does not choose."""
+        q_rows, q_valid, key_index, key_mask, block_slot = group
+        rows = cache.comp_rows.numpy() if cache.comp_rows is not None else NO_ROWS
+        (sink,) = cpu_kernels.numpy_views(self, self.attn_sink, key="sink")
+        chosen = NO_CHOICE
+        if index_queries is not None and most > self.indexer.topk:
+            chosen = np.empty((*q_rows.shape, most), dtype=np.bool_)
+            cpu_kernels.index_select(
+                q_rows.shape[0], *index_queries, q_rows, q_valid, block_slot, cache.idx_rows.numpy(), visible,
+                self.indexer.topk, self.indexer.head_dim**-0.5, chosen,
+            )  # fmt: skip
+        cpu_kernels.attend(
+            q_rows.shape[0], q, ring, new_kv, q_rows, q_valid, key_index, key_mask, block_slot, rows, visible,
+            chosen, sink, self.head_dim**-0.5, angles, out,
+        )  # fmt: skip
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [NB, Bq, H, D], keys (= values) [NB, K, D], mask [NB, Bq, K] -> [NB, Bq, H, D]."""

@@ -53,6 +53,16 @@ class AttnGroup:
     # arange(T)[:, None], so gathering queries and scattering outputs are plain reshapes.
     is_identity: bool = False
 
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """Numpy views for the attention kernels: q_rows, q_valid, key_index, key_mask, block_slot."""
+        return (
+            self.q_rows.numpy(),
+            self.q_valid.numpy(),
+            self.key_index.numpy(),
+            self.key_mask.numpy(),
+            self.block_slot.numpy(),
+        )
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token rows [T, ...] -> per-query rows [NB, Bq, ...]."""
         return x.unsqueeze(1) if self.is_identity else x[self.q_rows]

@@ -478,6 +478,13 @@ def _linear(x, ws, outs):  # pragma: no cover - compiled
 linear = Threaded(_linear, min_work=1 << 18)
 
 
+def matmuls(x: np.ndarray, weights: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """x [T, in] @ w^T for each weight [out, in] (float32, or bfloat16 bits), in one call: new float32 arrays."""
+    outs = tuple([np.empty((x.shape[0], w.shape[0]), dtype=np.float32) for w in weights])
+    linear(x.shape[0] * sum([w.size for w in weights]), x, weights, outs)
+    return outs
+
+
 def _grouped_linear(x, w, out):  # pragma: no cover - compiled
     # out [T, G, J] = per group g: x[:, g] [T, K] @ w[g] [J, K]^T
     n, groups = x.shape[0], x.shape[1]

@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from leanserve.model import cpu_kernels as ck
-from leanserve.model.attention import NO_CHOICE, NO_ROWS
+from leanserve.model.attention import NO_NEW_KV
 from leanserve.model.batch import ForwardBatch
 from leanserve.model.cache import LayerCache
+from leanserve.model.hyper import hc_post_arrays, hc_pre_arrays
 
 MOST_TOKENS = 64  # steps up to this many tokens (decode, speculative verification)
-NO_NEW_KV = np.empty((0, 1), dtype=np.float32)
 
 
 def eligible(fb: ForwardBatch, act_dtype: torch.dtype) -> bool:
@@ -47,13 +47,13 @@ class _Step:
     def __init__(self, fb: ForwardBatch, ropes: dict[str, torch.Tensor]) -> None:
         g = fb.groups[0]
         self.ids = fb.input_ids.numpy()
+        self.ropes = ropes
         self.angles = {k: torch.view_as_real(r.contiguous()).numpy() for k, r in ropes.items()}
         self.window = fb.window_write.src.numpy(), fb.window_write.dst.numpy()
-        self.q_rows, self.q_valid = g.q_rows.numpy(), g.q_valid.numpy()
-        self.key_index, self.key_mask, self.block_slot = g.key_index.numpy(), g.key_mask.numpy(), g.block_slot.numpy()
+        self.group = g.arrays()
         self.max_visible = g.max_visible
         self.visible = {k: v.numpy() for k, v in g.visible.items()}
-        self.no_visible = np.zeros_like(self.q_rows)
+        self.no_visible = np.zeros(g.q_rows.shape, dtype=np.int64)
         self.compress = {kind: m.arrays() for kind, m in fb.compress.items()}
 
 
@@ -83,23 +83,12 @@ def _block(b, s: np.ndarray, step: _Step, cache: LayerCache) -> np.ndarray:
     for site, sub in (("attn", _attention), ("ffn", _moe)):
         fn, base, scale = (getattr(b, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
         norm = b.attn_norm if site == "attn" else b.ffn_norm
-        fn_np, base_np, scale_np, norm_np = ck.numpy_views(norm, fn, base, scale, norm.weight, key="mhc")
-        n = s.shape[0]
-        x = np.empty((n, s.shape[2]), dtype=np.float32)
-        weights = np.empty((n, fn_np.shape[0]), dtype=np.float32)
-        ck.hc_pre(n, s, fn_np, scale_np, base_np, b.hc_eps, b.sinkhorn_iters, b.norm_eps, norm_np, x, weights)
+        params = ck.numpy_views(norm, fn, scale, base, norm.weight, key="mhc")
+        x, weights = hc_pre_arrays(s, *params, b.norm_eps, b.hc_eps, b.sinkhorn_iters)
         out = sub(b.attn if site == "attn" else b.ffn, x, step, cache)
-        post, comb = weights[:, hc : 2 * hc], weights[:, 2 * hc :].reshape(n, hc, hc)
-        mixed = np.empty_like(s)
-        ck.hc_post(n, out, s, post, comb, mixed)
-        s = mixed
+        post, comb = weights[:, hc : 2 * hc], weights[:, 2 * hc :].reshape(-1, hc, hc)
+        s = hc_post_arrays(out, s, post, comb)
     return s
-
-
-def _linears(x: np.ndarray, views: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
-    outs = tuple([np.empty((x.shape[0], w.shape[0]), dtype=np.float32) for w in views])
-    ck.linear(x.shape[0] * sum([w.size for w in views]), x, views, outs)
-    return outs
 
 
 def _rope(x: np.ndarray, angles: np.ndarray, eps: float, normalize: bool, weight: np.ndarray) -> np.ndarray:
@@ -112,49 +101,40 @@ def _rope(x: np.ndarray, angles: np.ndarray, eps: float, normalize: bool, weight
 def _attention(a, x: np.ndarray, step: _Step, cache: LayerCache) -> np.ndarray:
     n, heads, dim = x.shape[0], a.n_heads, a.head_dim
     inputs = ck.numpy_views(a, *(m.weight for m in a._inputs))
-    projected = _linears(x, inputs)
-    weights = a.q_norm.weight, a.wq_b.weight, a.norm.weight, a.wo_a.weight, a.wo_b.weight, a.attn_sink
-    q_norm, wq_b, kv_norm, wo_a, wo_b, sink = ck.numpy_views(a, *weights, key="decode")
+    projected = ck.matmuls(x, inputs)
+    weights = a.q_norm.weight, a.wq_b.weight, a.norm.weight, a.wo_a.weight, a.wo_b.weight
+    q_norm, wq_b, kv_norm, wo_a, wo_b = ck.numpy_views(a, *weights, key="decode")
     q_residual = np.empty_like(projected[0])
     ck.rms_norm(n, projected[0], q_norm, a.q_norm.eps, q_residual)
     angles = step.angles[a.rope_kind]
-    q = _rope(_linears(q_residual, (wq_b,))[0].reshape(n, heads, dim), angles, a.eps, True, ck.EMPTY)
+    q = _rope(ck.matmuls(q_residual, (wq_b,))[0].reshape(n, heads, dim), angles, a.eps, True, ck.EMPTY)
     kv = _rope(projected[1].reshape(n, 1, dim), angles, a.eps, True, kv_norm).reshape(n, dim)
     ring = cache.window_kv.numpy().reshape(-1, dim)
     src, dst = step.window
     ring[dst] = kv[src]
-    chosen, visible, rows, most = NO_CHOICE, step.no_visible, NO_ROWS, 0
+    most, index_queries = 0, None
     if a.compressor is not None:
         kind = a.layer_type
         _compress(a.compressor, projected[2], projected[3], step, kind, cache.comp_kv, cache.comp_gate, cache.comp_rows)
         most = step.max_visible[kind]
-        if most:
-            visible, rows = step.visible[kind], cache.comp_rows.numpy()
         if a.indexer is not None:
             idx = a.indexer
             _compress(
                 idx.compressor, projected[4], projected[5], step, kind, cache.idx_kv, cache.idx_gate, cache.idx_rows
             )
             if most > idx.topk:
-                (idx_wq_b,) = ck.numpy_views(idx, idx.wq_b.weight)
-                iq = _linears(q_residual, (idx_wq_b,))[0].reshape(n, idx.n_heads, idx.head_dim)
-                iq = _rope(iq, angles, 0.0, False, ck.EMPTY)
-                head_w = projected[6] * np.float32(idx.n_heads**-0.5)
-                chosen = np.empty((*step.q_rows.shape, most), dtype=np.bool_)
-                ck.index_select(
-                    step.q_rows.shape[0], iq, head_w, step.q_rows, step.q_valid, step.block_slot,
-                    cache.idx_rows.numpy(), visible, idx.topk, idx.head_dim**-0.5, chosen,
-                )  # fmt: skip
+                iq, head_w = idx.queries(
+                    torch.from_numpy(q_residual), torch.from_numpy(projected[6]), step.ropes[a.rope_kind]
+                )
+                index_queries = iq.numpy(), head_w.numpy()
+    visible = step.visible[a.layer_type] if most else step.no_visible
     out = np.empty_like(q)
-    ck.attend(
-        step.q_rows.shape[0], q, ring, NO_NEW_KV, step.q_rows, step.q_valid, step.key_index, step.key_mask,
-        step.block_slot, rows, visible, chosen, sink, dim**-0.5, angles, out,
-    )  # fmt: skip
+    a.attend_arrays(q, ring, NO_NEW_KV, step.group, most, visible, cache, index_queries, angles, out)
     grouped = out.reshape(n, a.o_groups, -1)
     w = wo_a.reshape(a.o_groups, -1, grouped.shape[-1])
     low = np.empty((n, a.o_groups, w.shape[1]), dtype=np.float32)
     ck.grouped_linear(n * w.size, grouped, w, low)
-    return _linears(low.reshape(n, -1), (wo_b,))[0]
+    return ck.matmuls(low.reshape(n, -1), (wo_b,))[0]
 
 
 def _compress(c, kv: np.ndarray, gate: np.ndarray, step: _Step, kind: str, kv_ring, gate_ring, rows) -> None:

@@ -9,6 +9,7 @@ hc_head: collapses the streams with its own sigmoid weights before the final nor
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -31,16 +32,30 @@ def hc_pre(
     if cpu_kernels.fast(streams, fn, norm_weight):
         # One call: the projection (RMS-normalising the flat streams scales each row of the mixes by one number,
         # applied after it), the mHC weights, the collapse of the streams and the block input's RMSNorm.
-        weights = streams.new_empty(streams.shape[0], fn.shape[0])
-        x = streams.new_empty(streams.shape[0], streams.shape[2])
-        params = scale.detach().numpy(), base.detach().numpy(), hc_eps, sinkhorn_iters, norm_eps
-        arrays = streams.numpy(), fn.detach().numpy(), *params, norm_weight.numpy(), x.numpy(), weights.numpy()
-        cpu_kernels.hc_pre(streams.shape[0], *arrays)
+        params = fn.detach().numpy(), scale.detach().numpy(), base.detach().numpy(), norm_weight.detach().numpy()
+        x, weights = hc_pre_arrays(streams.numpy(), *params, norm_eps, hc_eps, sinkhorn_iters)
+        x, weights = torch.from_numpy(x), torch.from_numpy(weights)
         return x, weights[:, hc : 2 * hc], weights[:, 2 * hc :].unflatten(-1, (hc, hc))
     mixes = F.linear(rms_norm(streams.flatten(1).float(), norm_eps), fn.float())  # [T, (2+hc)*hc]
     pre, post, comb = mhc_weights(mixes, scale, base, hc, hc_eps, sinkhorn_iters)
     collapsed = torch.bmm(pre.unsqueeze(1).to(streams.dtype), streams).squeeze(1)  # sum_i pre_i * x_i
     return rms_norm(collapsed, norm_eps, norm_weight), post, comb
+
+
+def hc_pre_arrays(streams, fn, scale, base, norm_weight, norm_eps: float, hc_eps: float, sinkhorn_iters: int):
+    """hc_pre's kernel on numpy arrays: (normalised block input [T, D], pre | post | comb weights [T, M])."""
+    n = streams.shape[0]
+    x = np.empty((n, streams.shape[2]), dtype=np.float32)
+    weights = np.empty((n, fn.shape[0]), dtype=np.float32)
+    cpu_kernels.hc_pre(n, streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps, norm_weight, x, weights)
+    return x, weights
+
+
+def hc_post_arrays(block_out, streams, post, comb) -> np.ndarray:
+    """hc_post's kernel on numpy arrays: the new streams [T, hc, D]."""
+    out = np.empty_like(streams)
+    cpu_kernels.hc_post(streams.shape[0], block_out, streams, post, comb, out)
+    return out
 
 
 def mhc_weights(
@@ -81,11 +96,7 @@ def hc_post(
     comb: torch.Tensor,  # [T, hc, hc]
 ) -> torch.Tensor:
     if cpu_kernels.fast(block_out, streams, strided=(post, comb)):
-        out = torch.empty_like(streams)
-        cpu_kernels.hc_post(
-            streams.shape[0], block_out.numpy(), streams.numpy(), post.numpy(), comb.numpy(), out.numpy()
-        )
-        return out
+        return torch.from_numpy(hc_post_arrays(block_out.numpy(), streams.numpy(), post.numpy(), comb.numpy()))
     dtype = streams.dtype
     # out[j] = post[j] * f(x) + sum_i comb[i, j] * x[i]  (comb is applied transposed)
     mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
