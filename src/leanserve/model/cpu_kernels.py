@@ -57,7 +57,6 @@ class Threaded:
 
 
 _threaded_ok: bool | None = None
-_one_thread = False
 _max_threads: int | None = None  # a cap (pipeline stages sharing the machine's cores), None = torch's count
 
 
@@ -70,12 +69,12 @@ def limit_threads(n: int | None) -> None:
 @contextlib.contextmanager
 def one_thread():
     """Runs every kernel's one-thread build (tests compare it with the threaded one)."""
-    global _one_thread
-    before, _one_thread = _one_thread, True
+    global _max_threads
+    before, _max_threads = _max_threads, 1
     try:
         yield
     finally:
-        _one_thread = before
+        _max_threads = before
 
 
 def _threads_ok() -> bool:
@@ -83,7 +82,7 @@ def _threads_ok() -> bool:
     and numba has more than one and its OpenMP (or TBB) threading layer. Its fallback layer (workqueue) costs
     more to wake than these kernels take, so it is not used."""
     global _threaded_ok
-    if _one_thread or torch.get_num_threads() < 2 or (_max_threads is not None and _max_threads < 2):
+    if torch.get_num_threads() < 2 or (_max_threads is not None and _max_threads < 2):
         return False
     if _threaded_ok is None:
         _threaded_ok = False

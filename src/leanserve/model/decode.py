@@ -37,10 +37,6 @@ def eligible(fb: ForwardBatch, act_dtype: torch.dtype) -> bool:
     )
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    return ck.weight_np(t)
-
-
 class _Step:
     """The step's metadata as numpy arrays, converted once for all layers."""
 
