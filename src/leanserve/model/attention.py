@@ -133,31 +133,18 @@ class Attention(nn.Module):
         arrays = q.numpy(), ring.numpy(), NO_NEW_KV if new_kv is None else new_kv.numpy()
         angles = torch.view_as_real(rope.contiguous()).numpy()
         iq = None if index_queries is None else (index_queries[0].numpy(), index_queries[1].numpy())
+        params, rows = self.attend_params(), cache_rows(cache)
         for g in fb.groups:
             most = g.max_visible[self.layer_type] if self.compressor is not None else 0
             visible = g.visible[self.layer_type].numpy() if most else np.zeros(g.q_rows.shape, dtype=np.int64)
-            self.attend_arrays(*arrays, g.arrays(), most, visible, cache, iq, angles, out.numpy())
+            attend_arrays(params, *arrays, g.arrays(), most, visible, *rows, iq, angles, out.numpy())
         return out
 
-    def attend_arrays(self, q, ring, new_kv, group, most: int, visible, cache: LayerCache, index_queries, angles, out):
-        """The attention kernels for one group of query blocks, on numpy arrays (see cpu_kernels.attend): q, out
-        [T, H, D]; the window ring and this step's new rows (or NO_NEW_KV); group from AttnGroup.arrays();
-        visible [NB, Bq] the compressed rows each query may see, `most` their maximum; index_queries the
-        indexer's (queries, head weights), or None when it does not choose."""
-        q_rows, q_valid, key_index, key_mask, block_slot = group
-        rows = cache.comp_rows.numpy() if cache.comp_rows is not None else NO_ROWS
+    def attend_params(self) -> tuple:
+        """attend_arrays' fixed arguments: (sink, scale, indexer top-k, indexer scale); no indexer: top-k 0."""
         (sink,) = cpu_kernels.numpy_views(self, self.attn_sink, key="sink")
-        chosen = NO_CHOICE
-        if index_queries is not None and most > self.indexer.topk:
-            chosen = np.empty((*q_rows.shape, most), dtype=np.bool_)
-            cpu_kernels.index_select(
-                q_rows.shape[0], *index_queries, q_rows, q_valid, block_slot, cache.idx_rows.numpy(), visible,
-                self.indexer.topk, self.indexer.head_dim**-0.5, chosen,
-            )  # fmt: skip
-        cpu_kernels.attend(
-            q_rows.shape[0], q, ring, new_kv, q_rows, q_valid, key_index, key_mask, block_slot, rows, visible,
-            chosen, sink, self.head_dim**-0.5, angles, out,
-        )  # fmt: skip
+        idx = self.indexer
+        return sink, self.head_dim**-0.5, idx.topk if idx else 0, idx.head_dim**-0.5 if idx else 0.0
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [NB, Bq, H, D], keys (= values) [NB, K, D], mask [NB, Bq, K] -> [NB, Bq, H, D]."""
@@ -167,3 +154,30 @@ class Attention(nn.Module):
         sinks = self.attn_sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = torch.cat([scores, sinks], dim=-1).float().softmax(dim=-1)[..., :-1]
         return torch.einsum("bhqk,bkd->bqhd", probs.to(keys.dtype), keys)
+
+
+def cache_rows(cache: LayerCache) -> tuple[np.ndarray, np.ndarray]:
+    """Numpy views of a layer's compressed rows and indexer rows (NO_ROWS where the layer has none)."""
+    rows = cache.comp_rows.numpy() if cache.comp_rows is not None else NO_ROWS
+    return rows, cache.idx_rows.numpy() if cache.idx_rows is not None else NO_ROWS
+
+
+def attend_arrays(params, q, ring, new_kv, group, most: int, visible, rows, idx_rows, index_queries, angles, out):
+    """The attention kernels for one group of query blocks, on numpy arrays (see cpu_kernels.attend): params
+    from Attention.attend_params(); q, out [T, H, D]; the window ring and this step's new rows (or NO_NEW_KV);
+    group from AttnGroup.arrays(); visible [NB, Bq] the compressed rows each query may see, `most` their
+    maximum; the layer's compressed and indexer rows (cache_rows); index_queries the indexer's (queries, head
+    weights), or None when it does not choose."""
+    sink, scale, topk, index_scale = params
+    q_rows, q_valid, key_index, key_mask, block_slot = group
+    chosen = NO_CHOICE
+    if index_queries is not None and most > topk:
+        chosen = np.empty((*q_rows.shape, most), dtype=np.bool_)
+        cpu_kernels.index_select(
+            q_rows.shape[0], *index_queries, q_rows, q_valid, block_slot, idx_rows, visible, topk, index_scale,
+            chosen,
+        )  # fmt: skip
+    cpu_kernels.attend(
+        q_rows.shape[0], q, ring, new_kv, q_rows, q_valid, key_index, key_mask, block_slot, rows, visible, chosen,
+        sink, scale, angles, out,
+    )  # fmt: skip

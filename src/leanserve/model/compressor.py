@@ -70,15 +70,21 @@ class Compressor(nn.Module):
         if not meta.write_first:
             self._store(kv, gate, kv_flat, gate_flat, meta)
 
-    def kernel(self, kv, gate, meta_arrays, kv_ring, gate_ring, rows, angles, write_first: bool) -> None:
+    def kernel(self, kv, gate, meta_arrays, kv_ring, gate_ring, rows, angles, write_first: bool, params=None) -> None:
         """The step as one compiled call on numpy arrays: kv, gate [T, width]; meta_arrays from
-        CompressMeta.arrays(); the rings [slots * B, width]; rows [slots * max_rows, dim]; angles [NW, R/2, 2]."""
+        CompressMeta.arrays(); the rings [slots * B, width]; rows [slots * max_rows, dim]; angles [NW, R/2, 2];
+        `params` from kernel_params() (made here if not given)."""
         write_src, write_dst, src, src_valid, row_dst = meta_arrays
-        ape, norm_w = cpu_kernels.numpy_views(self, self.ape, self.norm.weight)
+        ape, overlap, norm_w, eps = params or self.kernel_params()
         cpu_kernels.compress(
             src.shape[0], kv, gate, write_src, write_dst, kv_ring, gate_ring, write_first, src, src_valid, ape,
-            self.overlap, norm_w, self.norm.eps, angles, rows, row_dst,
+            overlap, norm_w, eps, angles, rows, row_dst,
         )  # fmt: skip
+
+    def kernel_params(self) -> tuple:
+        """The kernel's fixed arguments: (ape, overlap, norm weight, norm eps)."""
+        ape, norm_w = cpu_kernels.numpy_views(self, self.ape, self.norm.weight)
+        return ape, self.overlap, norm_w, self.norm.eps
 
     @staticmethod
     def _store(kv: torch.Tensor, gate: torch.Tensor, kv_flat: torch.Tensor, gate_flat: torch.Tensor, meta) -> None:

@@ -187,33 +187,37 @@ LANES = 8
 
 
 def _mhc_lanes(m, scale, base, hc, hc_eps, iters):  # pragma: no cover - compiled
-    # m [(2+hc)*hc, LANES] mixes, in place -> pre (sigmoid + eps) | post (2 * sigmoid) | comb (softmax per row
-    # + eps, then Sinkhorn-normalised; row-major).
+    # m [(2+hc)*hc, LANES] mixes (unused lanes zero: a fixed width vectorises), in place -> pre (sigmoid + eps)
+    # | post (2 * sigmoid) | comb (softmax per row + eps, then Sinkhorn-normalised; row-major). m [hc, LANES]
+    # (hc_head's mixes): pre only.
     one = np.float32(1.0)
     eps = np.float32(hc_eps)
-    lanes = m.shape[1]
     for i in range(hc):
-        for a in range(lanes):
+        for a in range(LANES):
             m[i, a] = one / (one + np.float32(math.exp(-(m[i, a] * scale[0] + base[i])))) + eps
+    if m.shape[0] == hc:
+        return
+    for i in range(hc):
+        for a in range(LANES):
             z = m[hc + i, a] * scale[1] + base[hc + i]
             m[hc + i, a] = np.float32(2.0) / (one + np.float32(math.exp(-z)))
     c0 = 2 * hc
-    top = np.empty(lanes, dtype=np.float32)
-    total = np.empty(lanes, dtype=np.float32)
+    top = np.empty(LANES, dtype=np.float32)
+    total = np.empty(LANES, dtype=np.float32)
     for i in range(hc):  # softmax over each row, + eps
         row = c0 + i * hc
         top[:] = -np.inf
         for j in range(hc):
-            for a in range(lanes):
+            for a in range(LANES):
                 m[row + j, a] = m[row + j, a] * scale[2] + base[row + j]
                 top[a] = max(top[a], m[row + j, a])
         total[:] = 0.0
         for j in range(hc):
-            for a in range(lanes):
+            for a in range(LANES):
                 m[row + j, a] = np.float32(math.exp(m[row + j, a] - top[a]))
                 total[a] += m[row + j, a]
         for j in range(hc):
-            for a in range(lanes):
+            for a in range(LANES):
                 m[row + j, a] = m[row + j, a] / total[a] + eps
     # Sinkhorn-Knopp: columns first, then rows and columns, `iters` times in all.
     for it in range(2 * iters - 1):
@@ -222,13 +226,13 @@ def _mhc_lanes(m, scale, base, hc, hc_eps, iters):  # pragma: no cover - compile
             total[:] = 0.0
             for y in range(hc):
                 k = c0 + x * hc + y if by_row else c0 + y * hc + x
-                for a in range(lanes):
+                for a in range(LANES):
                     total[a] += m[k, a]
-            for a in range(lanes):
+            for a in range(LANES):
                 total[a] += eps
             for y in range(hc):
                 k = c0 + x * hc + y if by_row else c0 + y * hc + x
-                for a in range(lanes):
+                for a in range(LANES):
                     m[k, a] /= total[a]
 
 
@@ -241,7 +245,7 @@ def _mhc_weights(mixes, scale, base, hc, hc_eps, iters, out):  # pragma: no cove
     for blk in prange((n + LANES - 1) // LANES):
         t0 = blk * LANES
         lanes = min(LANES, n - t0)
-        m = np.zeros((width, lanes), dtype=np.float32)
+        m = np.zeros((width, LANES), dtype=np.float32)
         for a in range(lanes):
             for j in range(width):
                 m[j, a] = mixes[t0 + a, j]
@@ -255,8 +259,8 @@ mhc_weights = Threaded(_mhc_weights, min_work=2 * LANES)
 
 
 def _hc_pre(streams, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out):  # pragma: no cover
-    # streams [T, hc, D]; fn [M, hc*D], M = (2+hc)*hc: the mixes are RMSNorm(flat streams) @ fn^T, computed as
-    # (flat streams @ fn^T) * the row's RMS scale (one number per row).
+    # streams [T, hc, D]; fn [M, hc*D], M = (2+hc)*hc (or hc: hc_head, pre only): the mixes are
+    # RMSNorm(flat streams) @ fn^T, computed as (flat streams @ fn^T) * the row's RMS scale (one number per row).
     # weights_out [T, M]: pre | post | comb (see _mhc_lanes); x_out [T, D]: RMSNorm_w(sum_i pre_i * streams_i).
     n, hc, d = streams.shape
     width = fn.shape[0]
@@ -266,7 +270,7 @@ def _hc_pre(streams, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, we
         lanes = min(LANES, n - t0)
         raw = np.empty((lanes, width), dtype=np.float32)
         _linear_rows_jit(flat[t0 : t0 + lanes], fn, raw, lanes)
-        m = np.zeros((width, lanes), dtype=np.float32)
+        m = np.zeros((width, LANES), dtype=np.float32)
         for a in range(lanes):
             t = t0 + a
             s = np.float32(0.0)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from leanserve.model import cpu_kernels as ck
-from leanserve.model.attention import NO_NEW_KV
+from leanserve.model.attention import NO_NEW_KV, attend_arrays, cache_rows
 from leanserve.model.batch import ForwardBatch
 from leanserve.model.cache import LayerCache
 from leanserve.model.hyper import hc_post_arrays, hc_pre_arrays
@@ -61,29 +61,88 @@ def run_blocks(model, fb: ForwardBatch, caches: dict[str, LayerCache], ropes, st
         table = ck.numpy_views(model.embed, model.embed.weight)[0]
         rows = table[step.ids]
         x = rows if rows.dtype == np.float32 else (rows.astype(np.uint32) << 16).view(np.float32)
-        s = np.ascontiguousarray(np.broadcast_to(x[:, None, :], (x.shape[0], model.cfg.hc_mult, x.shape[1])))
+        s = np.empty((x.shape[0], model.cfg.hc_mult, x.shape[1]), dtype=np.float32)
+        s[:] = x[:, None, :]
     else:
         s = streams.numpy()
     for key, block in model.layers.items():
-        s = _block(block, s, step, caches[key])
+        s = _block(_plan(block, caches[key]), s, step)
     return torch.from_numpy(s)
 
 
 def run_block(block, streams: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes) -> torch.Tensor:
     """One block over `fb` (see `eligible`): the MTP layer's. streams [T, hc, hidden], contiguous float32."""
-    return torch.from_numpy(_block(block, streams.numpy(), _Step(fb, ropes), cache))
+    return torch.from_numpy(_block(_plan(block, cache), streams.numpy(), _Step(fb, ropes)))
 
 
-def _block(b, s: np.ndarray, step: _Step, cache: LayerCache) -> np.ndarray:
-    hc = s.shape[1]
-    for site, sub in (("attn", _attention), ("ffn", _moe)):
-        fn, base, scale = (getattr(b, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
-        norm = b.attn_norm if site == "attn" else b.ffn_norm
-        params = ck.numpy_views(norm, fn, scale, base, norm.weight, key="mhc")
-        x, weights = hc_pre_arrays(s, *params, b.norm_eps, b.hc_eps, b.sinkhorn_iters)
-        out = sub(b.attn if site == "attn" else b.ffn, x, step, cache)
-        post, comb = weights[:, hc : 2 * hc], weights[:, 2 * hc :].reshape(-1, hc, hc)
-        s = hc_post_arrays(out, s, post, comb)
+class _Plan:
+    """A block's weights and caches as numpy views, with its constants: made once per (block, cache) and kept
+    on the block, made again only when a weight's storage changes (loading, `.data` assignment)."""
+
+    def __init__(self, b, cache: LayerCache) -> None:
+        self.cache = cache  # (kept: the plans are looked up by the cache's id)
+        self.tensors = [*b.parameters(), *b.buffers()]
+        self.ptrs = [t.data_ptr() for t in self.tensors]
+        self.hc = b.hc_attn_fn.shape[1] // b.attn_norm.weight.shape[0]  # streams: fn is [M, hc * hidden]
+        self.mhc = tuple(
+            (*ck.numpy_views(norm, fn, scale, base, norm.weight, key="mhc"), b.norm_eps, b.hc_eps, b.sinkhorn_iters)
+            for norm, fn, scale, base in (
+                (b.attn_norm, b.hc_attn_fn, b.hc_attn_scale, b.hc_attn_base),
+                (b.ffn_norm, b.hc_ffn_fn, b.hc_ffn_scale, b.hc_ffn_base),
+            )
+        )
+        a = b.attn
+        self.heads, self.dim, self.eps, self.rope_kind, self.kind = (
+            a.n_heads,
+            a.head_dim,
+            a.eps,
+            a.rope_kind,
+            a.layer_type,
+        )
+        self.inputs = ck.numpy_views(a, *(m.weight for m in a._inputs))
+        weights = a.q_norm.weight, a.wq_b.weight, a.norm.weight, a.wo_a.weight, a.wo_b.weight
+        self.q_norm, self.wq_b, self.kv_norm, wo_a, self.wo_b = ck.numpy_views(a, *weights, key="decode")
+        self.q_eps = a.q_norm.eps
+        self.wo_a = wo_a.reshape(a.o_groups, -1, a.n_heads * a.head_dim // a.o_groups)
+        self.attend = a.attend_params()
+        self.ring = cache.window_kv.numpy().reshape(-1, a.head_dim)
+        self.rows = cache_rows(cache)
+        self.compressor = self.indexer = None
+        if a.compressor is not None:
+            c = a.compressor
+            self.compressor = c, c.kernel_params(), _rings(cache.comp_kv, cache.comp_gate, cache.comp_rows)
+        if a.indexer is not None:
+            idx = a.indexer
+            rings = _rings(cache.idx_kv, cache.idx_gate, cache.idx_rows)
+            (wq_b,) = ck.numpy_views(idx, idx.wq_b.weight, key="decode")
+            c = idx.compressor
+            self.indexer = c, c.kernel_params(), rings, wq_b, idx.n_heads, idx.head_dim, idx.topk
+        self.moe = b.ffn.kernel_params()
+        self.ffn = b.ffn
+
+    def current(self) -> bool:
+        return [t.data_ptr() for t in self.tensors] == self.ptrs
+
+
+def _rings(kv: torch.Tensor, gate: torch.Tensor, rows: torch.Tensor) -> tuple[np.ndarray, ...]:
+    width = kv.shape[-1]
+    return kv.numpy().reshape(-1, width), gate.numpy().reshape(-1, width), rows.numpy().reshape(-1, rows.shape[-1])
+
+
+def _plan(block, cache: LayerCache) -> _Plan:
+    plans = block.__dict__.setdefault("_decode_plans", {})
+    plan = plans.get(id(cache))
+    if plan is None or not plan.current():
+        plan = plans[id(cache)] = _Plan(block, cache)
+    return plan
+
+
+def _block(p: _Plan, s: np.ndarray, step: _Step) -> np.ndarray:
+    hc = p.hc
+    for mhc, sub in zip(p.mhc, (_attention, _moe), strict=True):
+        x, weights = hc_pre_arrays(s, *mhc)
+        out = sub(p, x, step)
+        s = hc_post_arrays(out, s, weights[:, hc : 2 * hc], weights[:, 2 * hc :].reshape(-1, hc, hc))
     return s
 
 
@@ -94,52 +153,37 @@ def _rope(x: np.ndarray, angles: np.ndarray, eps: float, normalize: bool, weight
     return out
 
 
-def _attention(a, x: np.ndarray, step: _Step, cache: LayerCache) -> np.ndarray:
-    n, heads, dim = x.shape[0], a.n_heads, a.head_dim
-    inputs = ck.numpy_views(a, *(m.weight for m in a._inputs))
-    projected = ck.matmuls(x, inputs)
-    weights = a.q_norm.weight, a.wq_b.weight, a.norm.weight, a.wo_a.weight, a.wo_b.weight
-    q_norm, wq_b, kv_norm, wo_a, wo_b = ck.numpy_views(a, *weights, key="decode")
+def _attention(p: _Plan, x: np.ndarray, step: _Step) -> np.ndarray:
+    n, dim = x.shape[0], p.dim
+    projected = ck.matmuls(x, p.inputs)
     q_residual = np.empty_like(projected[0])
-    ck.rms_norm(n, projected[0], q_norm, a.q_norm.eps, q_residual)
-    angles = step.angles[a.rope_kind]
-    q = _rope(ck.matmuls(q_residual, (wq_b,))[0].reshape(n, heads, dim), angles, a.eps, True, ck.EMPTY)
-    kv = _rope(projected[1].reshape(n, 1, dim), angles, a.eps, True, kv_norm).reshape(n, dim)
-    ring = cache.window_kv.numpy().reshape(-1, dim)
+    ck.rms_norm(n, projected[0], p.q_norm, p.q_eps, q_residual)
+    angles = step.angles[p.rope_kind]
+    q = _rope(ck.matmuls(q_residual, (p.wq_b,))[0].reshape(n, p.heads, dim), angles, p.eps, True, ck.EMPTY)
+    kv = _rope(projected[1].reshape(n, 1, dim), angles, p.eps, True, p.kv_norm).reshape(n, dim)
     src, dst = step.window
-    ring[dst] = kv[src]
+    p.ring[dst] = kv[src]
     most, index_queries = 0, None
-    if a.compressor is not None:
-        kind = a.layer_type
-        _compress(a.compressor, projected[2], projected[3], step, kind, cache.comp_kv, cache.comp_gate, cache.comp_rows)
-        most = step.max_visible[kind]
-        if a.indexer is not None:
-            idx = a.indexer
-            _compress(
-                idx.compressor, projected[4], projected[5], step, kind, cache.idx_kv, cache.idx_gate, cache.idx_rows
-            )
-            if most > idx.topk:
-                iq, head_w = idx.queries(
-                    torch.from_numpy(q_residual), torch.from_numpy(projected[6]), step.ropes[a.rope_kind]
-                )
-                index_queries = iq.numpy(), head_w.numpy()
-    visible = step.visible[a.layer_type] if most else step.no_visible
-    out = np.empty_like(q)
-    a.attend_arrays(q, ring, NO_NEW_KV, step.group, most, visible, cache, index_queries, angles, out)
-    grouped = out.reshape(n, a.o_groups, -1)
-    w = wo_a.reshape(a.o_groups, -1, grouped.shape[-1])
-    low = np.empty((n, a.o_groups, w.shape[1]), dtype=np.float32)
-    ck.grouped_linear(n * w.size, grouped, w, low)
-    return ck.matmuls(low.reshape(n, -1), (wo_b,))[0]
+    if p.compressor is not None:
+        meta, row_angles = step.compress[p.kind], step.angles[p.kind]
+        c, params, rings = p.compressor
+        c.kernel(projected[2], projected[3], meta, *rings, row_angles, True, params)
+        most = step.max_visible[p.kind]
+        if p.indexer is not None:
+            c, params, rings, wq_b, heads, head_dim, topk = p.indexer
+            c.kernel(projected[4], projected[5], meta, *rings, row_angles, True, params)
+            if most > topk:  # the indexer's queries (RoPE'd, no norm) and head weights
+                iq = _rope(ck.matmuls(q_residual, (wq_b,))[0].reshape(n, heads, head_dim), angles, 0.0, False, ck.EMPTY)
+                index_queries = iq, projected[6] * np.float32(heads**-0.5)
+    visible = step.visible[p.kind] if most else step.no_visible
+    out = np.empty((n, p.heads, dim), dtype=np.float32)
+    attend_arrays(p.attend, q, p.ring, NO_NEW_KV, step.group, most, visible, *p.rows, index_queries, angles, out)
+    low = np.empty((n, p.wo_a.shape[0], p.wo_a.shape[1]), dtype=np.float32)
+    ck.grouped_linear(n * p.wo_a.size, out.reshape(n, p.wo_a.shape[0], -1), p.wo_a, low)
+    return ck.matmuls(low.reshape(n, -1), (p.wo_b,))[0]
 
 
-def _compress(c, kv: np.ndarray, gate: np.ndarray, step: _Step, kind: str, kv_ring, gate_ring, rows) -> None:
-    width = kv.shape[1]
-    rings = kv_ring.numpy().reshape(-1, width), gate_ring.numpy().reshape(-1, width), rows.numpy().reshape(-1, c.dim)
-    c.kernel(kv, gate, step.compress[kind], *rings, step.angles[kind], True)
-
-
-def _moe(m, x: np.ndarray, step: _Step, cache: LayerCache) -> np.ndarray:
+def _moe(p: _Plan, x: np.ndarray, step: _Step) -> np.ndarray:
     out = np.empty_like(x)
-    m.kernel(x, step.ids, out)
+    p.ffn.kernel(x, step.ids, out, p.moe)
     return out

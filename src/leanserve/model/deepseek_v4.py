@@ -143,7 +143,7 @@ class DeepseekV4(nn.Module):
 
     def head_hidden(self, streams: torch.Tensor) -> torch.Tensor:
         eps, hc_eps = self.cfg.rms_norm_eps, self.cfg.hc_eps
-        return self.norm(hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, eps, hc_eps))
+        return hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, eps, hc_eps, self.norm.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()

@@ -4,7 +4,7 @@ hc_pre:  from the RMS-normalised flattened streams, a learned projection gives `
          (2*sigmoid) and `comb` (softmax, then Sinkhorn row/column normalisation); the block input is
          sum_i pre_i * x_i.
 hc_post: output streams = post_j * f(x) + sum_i comb[i, j] * x_i.
-hc_head: collapses the streams with its own sigmoid weights before the final norm and head.
+hc_head: collapses the streams with its own sigmoid weights, then the final norm (before the head).
 """
 
 from __future__ import annotations
@@ -110,7 +110,12 @@ def hc_head(
     scale: torch.Tensor,  # [1]
     norm_eps: float,
     hc_eps: float,
+    norm_weight: torch.Tensor,  # [D]: the RMSNorm before the head
 ) -> torch.Tensor:
+    """The head's input [T, D]: RMSNorm_w(sum_i pre_i * x_i), pre = sigmoid(mixes * scale + base) + hc_eps."""
+    if cpu_kernels.fast(streams, fn, norm_weight):  # hc_pre's kernel: the pre weights are all it computes here
+        params = fn.detach().numpy(), scale.detach().numpy(), base.detach().numpy(), norm_weight.detach().numpy()
+        return torch.from_numpy(hc_pre_arrays(streams.numpy(), *params, norm_eps, hc_eps, 0)[0])
     mixes = F.linear(rms_norm(streams.flatten(1).float(), norm_eps), fn.float())
     pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return rms_norm((pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype), norm_eps, norm_weight)

@@ -161,13 +161,16 @@ class MoE(nn.Module):
         self.kernel(x.numpy(), input_ids.numpy(), out.numpy())
         return out
 
-    def kernel(self, x: np.ndarray, input_ids: np.ndarray, out: np.ndarray) -> None:
-        """The whole MoE as one compiled call on numpy arrays: x, out [T, hidden] float32."""
+    def kernel(self, x: np.ndarray, input_ids: np.ndarray, out: np.ndarray, params: tuple | None = None) -> None:
+        """The whole MoE as one compiled call on numpy arrays: x, out [T, hidden] float32; `params` from
+        kernel_params() (made here if not given)."""
+        cpu_kernels.moe_tokens(x.shape[0], x, input_ids, *(params or self.kernel_params()), out)
+
+    def kernel_params(self) -> tuple:
+        """The kernel's fixed arguments: the weights' numpy views and the routing constants."""
         gate, experts = self.gate, self.experts
         routing = gate.tid2eid if gate.is_hash else gate.bias
         gate_w, w13, w2, sw1, sw3, sw2, route = cpu_kernels.numpy_views(self, *self._matrices(), routing)
         bias, table = (cpu_kernels.EMPTY, route) if gate.is_hash else (route, NO_TABLE)
-        cpu_kernels.moe_tokens(
-            x.shape[0], x, input_ids, gate_w, bias, table, gate.top_k, SCORING[gate.scoring_func], gate.scale,
-            w13, w2, sw1, sw3, sw2, experts.limit, out,
-        )  # fmt: skip
+        scoring = SCORING[gate.scoring_func]
+        return gate_w, bias, table, gate.top_k, scoring, gate.scale, w13, w2, sw1, sw3, sw2, experts.limit

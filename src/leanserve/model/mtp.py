@@ -43,5 +43,5 @@ class MTPBlock(Block):
             out = decode.run_block(self, x, fb, cache, ropes)
         else:
             out = super().forward(x, fb, cache, ropes)
-        collapsed = hc_head(out, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm_eps, self.hc_eps)
-        return self.norm(collapsed), out
+        head_fn, base, scale, norm = self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm.weight
+        return hc_head(out, head_fn, base, scale, self.norm_eps, self.hc_eps, norm), out

@@ -247,7 +247,9 @@ def forward_train(model: DeepseekV4, ids: torch.Tensor, ctx: Ctx) -> tuple[torch
     mtp_in = ids[:, 1 : length + 1].reshape(-1)  # the MTP layer at t embeds token t+1
     h = mtp.h_proj(mtp.hnorm(streams)) + mtp.e_proj(mtp.enorm(model.embed(mtp_in))).unsqueeze(1)
     out = _block(mtp, h, mtp_in, ctx, "mtp.0")
-    hidden = mtp.norm(hc_head(out, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm_eps, mtp.hc_eps))
+    hidden = hc_head(
+        out, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm_eps, mtp.hc_eps, mtp.norm.weight
+    )
     return logits, model.logits(hidden)
 
 
