@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from leanserve.config import CSA
+from leanserve.model import cpu_kernels
 from leanserve.model.cache import CacheGeometry
 
 PREFILL_BLOCK = 64  # queries per attention block for long chunks
@@ -112,9 +113,13 @@ def build_forward_batch(
     lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
     starts = np.array([c.start for c in chunks], dtype=np.int64)
     slots = np.array([c.slot for c in chunks], dtype=np.int64)
+    input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
+    logits = None if logits_index is None else torch.tensor(logits_index, dtype=torch.long)
+    if _short_kernels is not None and cpu_kernels.available() and _all_short(lens, geo):
+        fb = _short_batch(slots, starts, lens, input_ids, logits, geo)
+        return fb if device == "cpu" else _to(fb, device)
     offsets = np.cumsum(lens) - lens  # flat index of each chunk's first token
     total = int(lens.sum())
-    input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
     seq_of_token = np.repeat(np.arange(len(chunks)), lens)
     positions = starts[seq_of_token] + np.arange(total) - offsets[seq_of_token]
     tok = _Layout(slots, starts, lens, offsets, seq_of_token, positions, int(lens.max()))
@@ -129,7 +134,7 @@ def build_forward_batch(
     fb = ForwardBatch(
         input_ids=input_ids,
         positions=_t(positions),
-        logits_index=None if logits_index is None else torch.tensor(logits_index, dtype=torch.long),
+        logits_index=logits,
         groups=groups,
         window_write=tok.ring_write(ring),
         window_write_first=tok.write_first(ring, geo.window),
@@ -232,6 +237,125 @@ def _compress(tok: _Layout, ratio: int, ring: int, max_rows: int, num_slots: int
         row_pos=_t(w * ratio),
         write=tok.ring_write(ring),
         write_first=tok.write_first(ring, span),
+    )
+
+
+# --- Steps of short chunks (decode, speculative verification, the MTP layer's steps) ------------------------
+# When every chunk writes its rows into the rings first (write_first for the window and every compressed
+# kind), the metadata above reduces to a few loops per chunk: compiled, they cost a fraction of the ~70 numpy
+# calls of the general path, which stays the reference (tests/test_batch.py compares the two).
+def _all_short(lens: np.ndarray, geo: CacheGeometry) -> bool:
+    most = int(lens.max())
+    if lens.min() < 1 or most > geo.window_ring - geo.window + 1:
+        return False
+    return all(most <= ring - (2 * r if kind == CSA else r) + 1 for kind, (r, ring, _) in geo.compress.items())
+
+
+def _short_group(slots, starts, lens, window, ring, ratios):  # pragma: no cover - compiled
+    # The one attention group (a block per chunk), the compressed rows each query sees, the window ring write.
+    num, total, block = slots.shape[0], lens.sum(), lens.max()
+    span = block + window - 1
+    positions = np.empty(total, dtype=np.int64)
+    q_rows = np.zeros((num, block), dtype=np.int64)
+    q_valid = np.zeros((num, block), dtype=np.bool_)
+    q_pos = np.empty((num, block), dtype=np.int64)
+    key_index = np.zeros((num, span), dtype=np.int64)
+    key_mask = np.zeros((num, block, span), dtype=np.bool_)
+    visible = np.zeros((ratios.shape[0], num, block), dtype=np.int64)
+    ring_dst = np.empty(total, dtype=np.int64)
+    offset = 0
+    for s in range(num):
+        start, n, slot = starts[s], lens[s], slots[s]
+        for j in range(block):
+            q_pos[s, j] = start + j
+            if j < n:
+                q_valid[s, j] = True
+                q_rows[s, j] = offset + j
+                positions[offset + j] = start + j
+                ring_dst[offset + j] = slot * ring + (start + j) % ring
+                for k in range(ratios.shape[0]):
+                    visible[k, s, j] = (start + j + 1) // ratios[k]
+        for i in range(span):
+            key = start - window + 1 + i
+            if key < 0:
+                continue
+            if key < start + n:
+                key_index[s, i] = slot * ring + key % ring
+            for j in range(n):
+                key_mask[s, j, i] = 0 <= start + j - key < window
+        offset += n
+    return positions, q_rows, q_valid, q_pos, key_index, key_mask, visible, ring_dst
+
+
+def _short_compress(slots, starts, lens, ratio, ring, max_rows, overlap):  # pragma: no cover - compiled
+    # One compressed kind: the windows that close this step, and the ring write.
+    num = slots.shape[0]
+    closing = 0
+    for s in range(num):
+        closing += (starts[s] + lens[s]) // ratio - starts[s] // ratio
+    span = 2 * ratio if overlap else ratio
+    src = np.zeros((closing, span), dtype=np.int64)
+    src_valid = np.zeros((closing, span), dtype=np.bool_)
+    row_dst = np.empty(closing, dtype=np.int64)
+    row_pos = np.empty(closing, dtype=np.int64)
+    ring_dst = np.empty(lens.sum(), dtype=np.int64)
+    i, offset = 0, 0
+    for s in range(num):
+        start, n, slot = starts[s], lens[s], slots[s]
+        for w in range(start // ratio, (start + n) // ratio):
+            first = (w - 1 if overlap else w) * ratio
+            for c in range(span):
+                if first + c >= 0:
+                    src_valid[i, c] = True
+                    src[i, c] = slot * ring + (first + c) % ring
+            row_dst[i] = slot * max_rows + w
+            row_pos[i] = w * ratio
+            i += 1
+        for j in range(n):
+            ring_dst[offset + j] = slot * ring + (start + j) % ring
+        offset += n
+    return src, src_valid, row_dst, row_pos, ring_dst
+
+
+_short_kernels = None
+if cpu_kernels.numba is not None:
+    _short_kernels = cpu_kernels._jit(_short_group), cpu_kernels._jit(_short_compress)
+
+
+def _short_batch(slots, starts, lens, input_ids, logits_index, geo: CacheGeometry) -> ForwardBatch:
+    group_fn, compress_fn = _short_kernels
+    kinds = list(geo.compress)
+    ratios = np.array([geo.compress[k][0] for k in kinds], dtype=np.int64)
+    positions, q_rows, q_valid, q_pos, key_index, key_mask, visible, ring_dst = group_fn(
+        slots, starts, lens, geo.window, geo.window_ring, ratios
+    )
+    every = torch.arange(positions.shape[0])  # every token's row is written (chunks are shorter than rings)
+    group = AttnGroup(
+        q_rows=_t(q_rows),
+        q_valid=_t(q_valid),
+        q_pos=_t(q_pos),
+        block_slot=_t(slots),
+        key_index=_t(key_index),
+        key_mask=_t(key_mask),
+        visible={k: _t(visible[i]) for i, k in enumerate(kinds)},
+        max_visible={k: int(visible[i].max()) for i, k in enumerate(kinds)},
+        is_identity=q_rows.shape[1] == 1,
+    )
+    compress = {}
+    for kind in kinds:
+        ratio, ring, max_rows = geo.compress[kind]
+        src, src_valid, row_dst, row_pos, dst = compress_fn(slots, starts, lens, ratio, ring, max_rows, kind == CSA)
+        compress[kind] = CompressMeta(
+            ratio, _t(src), _t(src_valid), _t(row_dst), _t(row_pos), RingWrite(every, _t(dst)), write_first=True
+        )
+    return ForwardBatch(
+        input_ids=input_ids,
+        positions=_t(positions),
+        logits_index=logits_index,
+        groups=[group],
+        window_write=RingWrite(every, _t(ring_dst)),
+        window_write_first=True,
+        compress=compress,
     )
 
 
