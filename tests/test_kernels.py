@@ -69,9 +69,11 @@ def test_rope_matches_torch(inverse):
     assert not torch.equal(fast, x)  # it rotated something
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("tokens", [1, 3, 40, 300])  # (300: the projection is a torch matmul, see MANY_TOKENS)
 def test_hc_pre_and_post_match_torch(tokens):
-    from leanserve.model.hyper import hc_post, hc_pre
+    from leanserve.model.hyper import MANY_TOKENS, hc_post, hc_pre
+
+    assert (tokens >= MANY_TOKENS) == (tokens == 300)
 
     gen = torch.Generator().manual_seed(tokens)
     hc, dim = 4, 32
@@ -85,6 +87,21 @@ def test_hc_pre_and_post_match_torch(tokens):
     block_out = torch.randn(tokens, dim, generator=gen)
     fast, ref = _both(hc_post, block_out, streams, *fast[1:])
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_hc_head_matches_torch(tokens):
+    # hc_head + the final norm run as hc_pre's kernel with its pre weights only
+    from leanserve.model.hyper import hc_head
+
+    gen = torch.Generator().manual_seed(tokens)
+    hc, dim = 4, 32
+    streams = torch.randn(tokens, hc, dim, generator=gen)
+    fn, base = torch.randn(hc, hc * dim, generator=gen) * 0.1, torch.randn(hc, generator=gen)
+    scale, norm_w = torch.rand(1, generator=gen) + 0.5, torch.rand(dim, generator=gen) + 0.5
+    fast, ref = _both(hc_head, streams, fn, base, scale, 1e-6, 1e-6, norm_w)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    assert fast.shape == (tokens, dim)
 
 
 @pytest.mark.parametrize("kind", ["moe", "hash_moe"])

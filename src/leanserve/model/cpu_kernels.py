@@ -25,6 +25,7 @@ except ImportError:  # the torch path is used instead
 # Reassociation lets reductions vectorise; no "no-NaN/no-inf" flags, since masks use -inf.
 _FLAGS = {"reassoc", "contract", "nsz", "arcp"}
 EMPTY = np.empty(0, dtype=np.float32)  # "no weight"
+EMPTY_2D = np.empty((0, 0), dtype=np.float32)
 
 
 def _jit(fn, parallel: bool = False):
@@ -258,9 +259,12 @@ def _mhc_weights(mixes, scale, base, hc, hc_eps, iters, out):  # pragma: no cove
 mhc_weights = Threaded(_mhc_weights, min_work=2 * LANES)
 
 
-def _hc_pre(streams, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out):  # pragma: no cover
+def _hc_pre(
+    streams, fn, projected, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out
+):  # pragma: no cover
     # streams [T, hc, D]; fn [M, hc*D], M = (2+hc)*hc (or hc: hc_head, pre only): the mixes are
-    # RMSNorm(flat streams) @ fn^T, computed as (flat streams @ fn^T) * the row's RMS scale (one number per row).
+    # RMSNorm(flat streams) @ fn^T, computed as (flat streams @ fn^T) * the row's RMS scale (one number per row);
+    # `projected` [T, M] is flat streams @ fn^T when the caller computed it (empty: computed here).
     # weights_out [T, M]: pre | post | comb (see _mhc_lanes); x_out [T, D]: RMSNorm_w(sum_i pre_i * streams_i).
     n, hc, d = streams.shape
     width = fn.shape[0]
@@ -269,7 +273,10 @@ def _hc_pre(streams, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, we
         t0 = blk * LANES
         lanes = min(LANES, n - t0)
         raw = np.empty((lanes, width), dtype=np.float32)
-        _linear_rows_jit(flat[t0 : t0 + lanes], fn, raw, lanes)
+        if projected.shape[0] > 0:
+            raw[:] = projected[t0 : t0 + lanes]
+        else:
+            _linear_rows_jit(flat[t0 : t0 + lanes], fn, raw, lanes)
         m = np.zeros((width, LANES), dtype=np.float32)
         for a in range(lanes):
             t = t0 + a

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from leanserve.model import cpu_kernels
 from leanserve.model.layers import rms_norm
 
+MANY_TOKENS = 256  # from this many tokens, hc_pre's projection runs as a torch matmul
+
 
 def hc_pre(
     streams: torch.Tensor,  # [T, hc, D]
@@ -33,7 +35,10 @@ def hc_pre(
         # One call: the projection (RMS-normalising the flat streams scales each row of the mixes by one number,
         # applied after it), the mHC weights, the collapse of the streams and the block input's RMSNorm.
         params = fn.detach().numpy(), scale.detach().numpy(), base.detach().numpy(), norm_weight.detach().numpy()
-        x, weights = hc_pre_arrays(streams.numpy(), *params, norm_eps, hc_eps, sinkhorn_iters)
+        projected = None
+        if streams.shape[0] >= MANY_TOKENS:  # (a prefill: torch's blocked matmul beats the kernel's row loops)
+            projected = F.linear(streams.flatten(1), fn.detach()).numpy()
+        x, weights = hc_pre_arrays(streams.numpy(), *params, norm_eps, hc_eps, sinkhorn_iters, projected)
         x, weights = torch.from_numpy(x), torch.from_numpy(weights)
         return x, weights[:, hc : 2 * hc], weights[:, 2 * hc :].unflatten(-1, (hc, hc))
     mixes = F.linear(rms_norm(streams.flatten(1).float(), norm_eps), fn.float())  # [T, (2+hc)*hc]
@@ -42,12 +47,18 @@ def hc_pre(
     return rms_norm(collapsed, norm_eps, norm_weight), post, comb
 
 
-def hc_pre_arrays(streams, fn, scale, base, norm_weight, norm_eps: float, hc_eps: float, sinkhorn_iters: int):
-    """hc_pre's kernel on numpy arrays: (normalised block input [T, D], pre | post | comb weights [T, M])."""
+def hc_pre_arrays(
+    streams, fn, scale, base, norm_weight, norm_eps: float, hc_eps: float, sinkhorn_iters: int, projected=None
+):
+    """hc_pre's kernel on numpy arrays: (normalised block input [T, D], pre | post | comb weights [T, M]).
+    `projected`, if given, is flat streams @ fn^T [T, M], computed by the caller."""
     n = streams.shape[0]
     x = np.empty((n, streams.shape[2]), dtype=np.float32)
     weights = np.empty((n, fn.shape[0]), dtype=np.float32)
-    cpu_kernels.hc_pre(n, streams, fn, scale, base, hc_eps, sinkhorn_iters, norm_eps, norm_weight, x, weights)
+    projected = cpu_kernels.EMPTY_2D if projected is None else projected
+    cpu_kernels.hc_pre(
+        n, streams, fn, projected, scale, base, hc_eps, sinkhorn_iters, norm_eps, norm_weight, x, weights
+    )  # fmt: skip
     return x, weights
 
 
