@@ -429,13 +429,13 @@ def _linear_rows_f32(x, w, out, n):  # pragma: no cover - compiled
 _linear_rows_f32_jit = _jit(_linear_rows_f32)
 
 
-WIDEN_ROWS = 16  # bfloat16 weight rows widened to float32 at a time
+ROW_BLOCK = 16  # weight rows per block (16 KB at 256 inputs): it stays in L1 while every row of x passes over it
 
 
 def _linear_rows(x, w, out, n):  # pragma: no cover - compiled through the overload below
-    """out[:n] = x[:n] @ w^T for a float32 weight, or a bfloat16 one (its uint16 bits): that one is widened to
-    float32 WIDEN_ROWS rows at a time (a bfloat16 is the top half of a float32) and each block goes through the
-    float32 loops."""
+    """out[:n] = x[:n] @ w^T for a float32 weight, or a bfloat16 one (its uint16 bits), ROW_BLOCK weight rows at a
+    time through the float32 loops (a bfloat16 block is first widened: a bfloat16 is the top half of a
+    float32). Read straight from memory, each row pass of x would stream the whole weight again."""
 
 
 if numba is not None:
@@ -443,13 +443,19 @@ if numba is not None:
     @numba.extending.overload(_linear_rows)
     def _linear_rows_typed(x, w, out, n):
         if w.dtype == numba.types.float32:
-            return lambda x, w, out, n: _linear_rows_f32_jit(x, w, out, n)
+
+            def blocked(x, w, out, n):
+                for j0 in range(0, w.shape[0], ROW_BLOCK):
+                    j1 = min(w.shape[0], j0 + ROW_BLOCK)
+                    _linear_rows_f32_jit(x, w[j0:j1], out[:, j0:j1], n)
+
+            return blocked
 
         def widened(x, w, out, n):
             k_dim = w.shape[1]
-            buf = np.empty((WIDEN_ROWS, k_dim), dtype=np.uint32)
-            for j0 in range(0, w.shape[0], WIDEN_ROWS):
-                block = min(WIDEN_ROWS, w.shape[0] - j0)
+            buf = np.empty((ROW_BLOCK, k_dim), dtype=np.uint32)
+            for j0 in range(0, w.shape[0], ROW_BLOCK):
+                block = min(ROW_BLOCK, w.shape[0] - j0)
                 for r in range(block):
                     for k in range(k_dim):
                         buf[r, k] = np.uint32(w[j0 + r, k]) << np.uint32(16)
