@@ -240,3 +240,22 @@ def test_bf16_weights_give_float32_tokens_at_half_the_weight_memory():
             (tok,) = x
             assert abs(x[tok].logprob - y[tok].logprob) < 1e-4
     assert weight_bytes["bfloat16"] < 0.55 * weight_bytes["float32"]
+
+
+def test_fast_exp_is_within_two_ulp():
+    # The kernels' e^x (softmax, sigmoid, SiLU) against float64 over the range they use, and at its clamps.
+    import numba
+    import numpy as np
+
+    @numba.njit
+    def apply(x, out):
+        for i in range(x.shape[0]):
+            out[i] = cpu_kernels._exp_jit(x[i])
+
+    x = np.concatenate([np.linspace(-87, 88, 100_001), [0.0, -1e-8, 1e-8, -0.5, 0.5]]).astype(np.float32)
+    out = np.empty_like(x)
+    apply(x, out)
+    ref = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(out - ref) / ref) < 2.4e-7  # two float32 ulp
+    apply(np.array([-1e4, -np.inf, 1e4], dtype=np.float32), out[:3])
+    assert out[0] == out[1] and 0 < out[0] < 1e-37 and np.isfinite(out[2])  # clamped at e^-87 and e^88
