@@ -625,11 +625,11 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
             token_of[fill[e]] = t
             weight_of[fill[e]] = weight[t, j]
             fill[e] += 1
-    # Tasks, spread over the cores: each expert that has tokens, and the shared expert in chunks of tokens
-    # about as large as an expert's share. Each task writes only its own rows: the routed experts' outputs go
-    # to ys (one row per (token, k) pair), the shared expert's straight to out.
+    # Tasks, spread over the cores: each expert that has tokens, and the shared expert in two halves of the
+    # tokens (more chunks would read its weights more often). Each task writes only its own rows: the routed
+    # experts' outputs go to ys (one row per (token, k) pair), the shared expert's straight to out.
     shared = sw1.shape[0]
-    chunks = min(n, max(1, num_experts // top_k))
+    chunks = min(n, 2)
     tasks = np.empty(num_experts + chunks, dtype=np.int64)
     num_tasks = 0
     for e in range(num_experts):
@@ -755,80 +755,77 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
     #   with n = visible[b, i], restricted to chosen[b, i, :] when chosen is not empty (the indexer's top-k).
     # Each head has a sink logit (probability mass, no value). The output is rotated back by RoPE (the
     # inverse of freqs at the query's token) and written to out[q_rows[b, i]].
+    # Per block, its keys are gathered once for all its queries and heads (the KV is shared), and the scores
+    # and the weighted values are two small matmuls through the few-row linear's register tiles: rows are
+    # (query, head) pairs, masked keys get probability 0.
     num_blocks, block = q_rows.shape
     heads, dim = q.shape[1], q.shape[2]
     ring_rows = ring.shape[0]
     width = key_index.shape[1]
-    most = rows.shape[1]
     half = freqs.shape[1]
     lead = dim - 2 * half
     picked = chosen.shape[0] > 0
     for b in prange(num_blocks):
-        probs = np.empty(width + most, dtype=np.float32)
-        acc = np.empty(dim, dtype=np.float32)
+        most = 0
+        for i in range(block):
+            if q_valid[b, i]:
+                most = max(most, visible[b, i])
+        keys = width + most
+        kv = np.empty((keys, dim), dtype=np.float32)  # the block's keys (= values), then their transpose
+        for k in range(width):
+            r = key_index[b, k]
+            if r < ring_rows:
+                kv[k] = ring[r]
+            else:
+                kv[k] = new_kv[r - ring_rows]
+        for c in range(most):
+            kv[width + c] = rows[slot[b], c]
+        kv_t = np.empty((dim, keys), dtype=np.float32)
+        for k in range(keys):
+            for d in range(dim):
+                kv_t[d, k] = kv[k, d]
+        qh = np.zeros((block * heads, dim), dtype=np.float32)  # rows (query i, head h) at i * heads + h
+        for i in range(block):
+            if q_valid[b, i]:
+                for h in range(heads):
+                    qh[i * heads + h] = q[q_rows[b, i], h]
+        scores = np.empty((block * heads, keys), dtype=np.float32)
+        _linear_rows_f32_jit(qh, kv, scores, block * heads)
+        for i in range(block):
+            if not q_valid[b, i]:
+                continue
+            n = visible[b, i]
+            for h in range(heads):
+                row = scores[i * heads + h]
+                top = sink[h]
+                for k in range(keys):
+                    row[k] *= scale
+                    seen = key_mask[b, i, k] if k < width else k - width < n and (not picked or chosen[b, i, k - width])
+                    if seen:
+                        top = max(top, row[k])
+                    else:
+                        row[k] = -np.inf
+                total = _exp_jit(sink[h] - top)
+                for k in range(keys):  # (e^-inf: the clamp gives 1e-38, so masked keys are zeroed explicitly)
+                    e = _exp_jit(row[k] - top)
+                    row[k] = e if row[k] != -np.inf else np.float32(0.0)
+                    total += row[k]
+                inv = np.float32(1.0) / total
+                for k in range(keys):
+                    row[k] *= inv
+        values = np.empty((block * heads, dim), dtype=np.float32)
+        _linear_rows_f32_jit(scores, kv_t, values, block * heads)
         for i in range(block):
             if not q_valid[b, i]:
                 continue
             t = q_rows[b, i]
-            n = visible[b, i]
             for h in range(heads):
-                top = sink[h]
-                for k in range(width):
-                    if key_mask[b, i, k]:
-                        r = key_index[b, k]
-                        s = np.float32(0.0)
-                        if r < ring_rows:
-                            for d in range(dim):
-                                s += q[t, h, d] * ring[r, d]
-                        else:
-                            for d in range(dim):
-                                s += q[t, h, d] * new_kv[r - ring_rows, d]
-                        s *= scale
-                        probs[k] = s
-                        top = max(top, s)
-                for c in range(n):
-                    if picked and not chosen[b, i, c]:
-                        continue
-                    s = np.float32(0.0)
-                    for d in range(dim):
-                        s += q[t, h, d] * rows[slot[b], c, d]
-                    s *= scale
-                    probs[width + c] = s
-                    top = max(top, s)
-                # e^(score - top) for every key in one vectorised pass (0 where masked off)
-                for k in range(width):
-                    e = _exp_jit(probs[k] - top)
-                    probs[k] = e if key_mask[b, i, k] else np.float32(0.0)
-                for c in range(n):
-                    e = _exp_jit(probs[width + c] - top)
-                    probs[width + c] = np.float32(0.0) if picked and not chosen[b, i, c] else e
-                total = _exp_jit(sink[h] - top)
-                for k in range(width + n):
-                    total += probs[k]
-                for d in range(dim):
-                    acc[d] = np.float32(0.0)
-                for k in range(width):
-                    if key_mask[b, i, k]:
-                        p = probs[k]
-                        r = key_index[b, k]
-                        if r < ring_rows:
-                            for d in range(dim):
-                                acc[d] += p * ring[r, d]
-                        else:
-                            for d in range(dim):
-                                acc[d] += p * new_kv[r - ring_rows, d]
-                for c in range(n):
-                    if picked and not chosen[b, i, c]:
-                        continue
-                    p = probs[width + c]
-                    for d in range(dim):
-                        acc[d] += p * rows[slot[b], c, d]
-                inv = np.float32(1.0) / total
+                acc = values[i * heads + h]
                 for d in range(lead):
-                    out[t, h, d] = acc[d] * inv
+                    out[t, h, d] = acc[d]
                 for p2 in range(half):  # inverse RoPE: multiply by conj(freqs)
                     cr, ci = freqs[t, p2, 0], freqs[t, p2, 1]
-                    re, im = acc[lead + 2 * p2] * inv, acc[lead + 2 * p2 + 1] * inv
+                    re, im = acc[lead + 2 * p2], acc[lead + 2 * p2 + 1]
                     out[t, h, lead + 2 * p2] = re * cr + im * ci
                     out[t, h, lead + 2 * p2 + 1] = im * cr - re * ci
 
