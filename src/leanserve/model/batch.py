@@ -107,7 +107,7 @@ class ForwardBatch:
 
 
 def build_forward_batch(
-    chunks: list[Chunk], geo: CacheGeometry, logits_index: list[int] | None = None, device: str = "cpu"
+    chunks: list[Chunk], geo: CacheGeometry, logits_index: list[int] | None = None, device: str | torch.device = "cpu"
 ) -> ForwardBatch:
     # Index math in numpy (a fraction of torch's per-op cost on these small arrays), tensors at the end.
     lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
@@ -117,7 +117,7 @@ def build_forward_batch(
     logits = None if logits_index is None else torch.tensor(logits_index, dtype=torch.long)
     if _short_kernels is not None and cpu_kernels.available() and _all_short(lens, geo):
         fb = _short_batch(slots, starts, lens, input_ids, logits, geo)
-        return fb if device == "cpu" else _to(fb, device)
+        return fb if torch.device(device).type == "cpu" else _to(fb, device)
     offsets = np.cumsum(lens) - lens  # flat index of each chunk's first token
     total = int(lens.sum())
     seq_of_token = np.repeat(np.arange(len(chunks)), lens)
@@ -143,7 +143,7 @@ def build_forward_batch(
             for kind, (ratio, ring_b, rows) in geo.compress.items()
         },
     )
-    return fb if device == "cpu" else _to(fb, device)
+    return fb if torch.device(device).type == "cpu" else _to(fb, device)
 
 
 @dataclass

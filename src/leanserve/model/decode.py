@@ -3,10 +3,10 @@
 The torch forward (block.py, attention.py, moe.py) calls the same kernels on decode steps, but it wraps each
 in torch tensors: an output tensor, its numpy view, the inputs' views, each about a microsecond, dozens of them
 per layer. At batch 1 that orchestration costs more than the arithmetic. Here a step runs on numpy arrays from
-the embedding to the last block: weights' and caches' views are made once and kept, the step's metadata is
-converted once for all layers, intermediate outputs are plain numpy arrays. The logits tail (hc_head, norm,
-head) stays in torch. `eligible` says which steps take this path; tests/test_kernels.py checks it against
-the torch path.
+the embedding to the last block: each block's weights' and caches' views are made once and kept (`_Plan`), the
+step's metadata is converted once for all layers, intermediate outputs are plain numpy arrays. The MTP layer's
+step runs the same way (its input projections, its block, its hc_head and norm); the head stays a torch call.
+`eligible` says which steps take this path; tests/test_kernels.py checks it against the torch path.
 """
 
 from __future__ import annotations
@@ -70,9 +70,20 @@ def run_blocks(model, fb: ForwardBatch, caches: dict[str, LayerCache], ropes, st
     return torch.from_numpy(s)
 
 
-def run_block(block, streams: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes) -> torch.Tensor:
-    """One block over `fb` (see `eligible`): the MTP layer's. streams [T, hc, hidden], contiguous float32."""
-    return torch.from_numpy(_block(_plan(block, cache), streams.numpy(), _Step(fb, ropes)))
+def run_mtp(mtp, streams: torch.Tensor, embedded: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes):
+    """The MTP layer over `fb` (see `eligible`), from the trunk's streams [T, hc, hidden] and the next tokens'
+    embeddings [T, hidden] (contiguous float32): (the head's input [T, hidden], the block's output streams)."""
+    p = _plan(mtp, cache)
+    hnorm, enorm, h_proj, e_proj, eps = p.mtp_inputs
+    s = streams.numpy()
+    n, hc, dim = s.shape
+    h = np.empty((n * hc, dim), dtype=np.float32)
+    ck.rms_norm(n * hc, s.reshape(n * hc, dim), hnorm, eps, h)
+    e = np.empty((n, dim), dtype=np.float32)
+    ck.rms_norm(n, embedded.numpy(), enorm, eps, e)
+    x = ck.matmuls(h, (h_proj,))[0].reshape(n, hc, dim) + ck.matmuls(e, (e_proj,))[0][:, None, :]
+    out = _block(p, x, _Step(fb, ropes))
+    return torch.from_numpy(hc_pre_arrays(out, *p.mtp_head)[0]), torch.from_numpy(out)
 
 
 class _Plan:
@@ -119,6 +130,11 @@ class _Plan:
             self.indexer = c, c.kernel_params(), rings, wq_b, idx.n_heads, idx.head_dim, idx.topk
         self.moe = b.ffn.kernel_params()
         self.ffn = b.ffn
+        if hasattr(b, "e_proj"):  # the MTP layer: its input projections, and hc_head + norm before the head
+            inputs = b.hnorm.weight, b.enorm.weight, b.h_proj.weight, b.e_proj.weight
+            self.mtp_inputs = (*ck.numpy_views(b, *inputs, key="mtp"), b.hnorm.eps)
+            head = b.hc_head_fn, b.hc_head_scale, b.hc_head_base, b.norm.weight
+            self.mtp_head = (*ck.numpy_views(b, *head, key="mtp_head"), b.norm_eps, b.hc_eps, 0)
 
     def current(self) -> bool:
         return [t.data_ptr() for t in self.tensors] == self.ptrs

@@ -38,10 +38,9 @@ class MTPBlock(Block):
         ropes: dict[str, Rope],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed hidden [T, hidden] for the shared head, output streams [T, hc, hidden])."""
+        if decode.eligible(fb, streams.dtype) and streams.is_contiguous() and embedded.is_contiguous():
+            return decode.run_mtp(self, streams, embedded, fb, cache, ropes)
         x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(embedded)).unsqueeze(1)
-        if decode.eligible(fb, x.dtype) and x.is_contiguous():
-            out = decode.run_block(self, x, fb, cache, ropes)
-        else:
-            out = super().forward(x, fb, cache, ropes)
+        out = super().forward(x, fb, cache, ropes)
         head_fn, base, scale, norm = self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm.weight
         return hc_head(out, head_fn, base, scale, self.norm_eps, self.hc_eps, norm), out
