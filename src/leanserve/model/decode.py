@@ -43,7 +43,6 @@ class _Step:
     def __init__(self, fb: ForwardBatch, ropes: dict[str, torch.Tensor]) -> None:
         g = fb.groups[0]
         self.ids = fb.input_ids.numpy()
-        self.ropes = ropes
         self.angles = {k: torch.view_as_real(r.contiguous()).numpy() for k, r in ropes.items()}
         self.window = fb.window_write.src.numpy(), fb.window_write.dst.numpy()
         self.group = g.arrays()
@@ -103,13 +102,8 @@ class _Plan:
             )
         )
         a = b.attn
-        self.heads, self.dim, self.eps, self.rope_kind, self.kind = (
-            a.n_heads,
-            a.head_dim,
-            a.eps,
-            a.rope_kind,
-            a.layer_type,
-        )
+        self.heads, self.dim, self.eps = a.n_heads, a.head_dim, a.eps
+        self.rope_kind, self.kind = a.rope_kind, a.layer_type
         self.inputs = ck.numpy_views(a, *(m.weight for m in a._inputs))
         weights = a.q_norm.weight, a.wq_b.weight, a.norm.weight, a.wo_a.weight, a.wo_b.weight
         self.q_norm, self.wq_b, self.kv_norm, wo_a, self.wo_b = ck.numpy_views(a, *weights, key="decode")

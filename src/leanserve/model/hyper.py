@@ -34,7 +34,7 @@ def hc_pre(
     if cpu_kernels.fast(streams, fn, norm_weight):
         # One call: the projection (RMS-normalising the flat streams scales each row of the mixes by one number,
         # applied after it), the mHC weights, the collapse of the streams and the block input's RMSNorm.
-        params = fn.detach().numpy(), scale.detach().numpy(), base.detach().numpy(), norm_weight.detach().numpy()
+        params = _views(fn, scale, base, norm_weight)
         projected = None
         if streams.shape[0] >= MANY_TOKENS:  # (a prefill: torch's blocked matmul beats the kernel's row loops)
             projected = F.linear(streams.flatten(1), fn.detach()).numpy()
@@ -45,6 +45,10 @@ def hc_pre(
     pre, post, comb = mhc_weights(mixes, scale, base, hc, hc_eps, sinkhorn_iters)
     collapsed = torch.bmm(pre.unsqueeze(1).to(streams.dtype), streams).squeeze(1)  # sum_i pre_i * x_i
     return rms_norm(collapsed, norm_eps, norm_weight), post, comb
+
+
+def _views(*params: torch.Tensor) -> tuple[np.ndarray, ...]:
+    return tuple([p.detach().numpy() for p in params])
 
 
 def hc_pre_arrays(
@@ -125,7 +129,7 @@ def hc_head(
 ) -> torch.Tensor:
     """The head's input [T, D]: RMSNorm_w(sum_i pre_i * x_i), pre = sigmoid(mixes * scale + base) + hc_eps."""
     if cpu_kernels.fast(streams, fn, norm_weight):  # hc_pre's kernel: the pre weights are all it computes here
-        params = fn.detach().numpy(), scale.detach().numpy(), base.detach().numpy(), norm_weight.detach().numpy()
+        params = _views(fn, scale, base, norm_weight)
         return torch.from_numpy(hc_pre_arrays(streams.numpy(), *params, norm_eps, hc_eps, 0)[0])
     mixes = F.linear(rms_norm(streams.flatten(1).float(), norm_eps), fn.float())
     pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps

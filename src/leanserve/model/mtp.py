@@ -42,5 +42,9 @@ class MTPBlock(Block):
             return decode.run_mtp(self, streams, embedded, fb, cache, ropes)
         x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(embedded)).unsqueeze(1)
         out = super().forward(x, fb, cache, ropes)
+        return self.head_hidden(out), out
+
+    def head_hidden(self, out: torch.Tensor) -> torch.Tensor:
+        """The shared head's input [T, hidden] from the block's output streams: hc_head, then the norm."""
         head_fn, base, scale, norm = self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm.weight
-        return hc_head(out, head_fn, base, scale, self.norm_eps, self.hc_eps, norm), out
+        return hc_head(out, head_fn, base, scale, self.norm_eps, self.hc_eps, norm)

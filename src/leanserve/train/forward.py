@@ -8,9 +8,9 @@ The MTP layer at position t sees the trunk's pre-hc_head streams at t and the em
 The model's own forward is written for inference (cache rings written in place, per-token gathers). Training
 uses a batched formulation of the same math over whole sequences that start at position 0: sliding-window
 attention in blocks of queries, compressed entries computed for every window at once, the indexer's top-k
-as a mask. It reads the model's own parameters and reuses its pure functions (hc_pre / hc_post / hc_head,
-RoPE, norms); `check_parity` compares it with the model's inference forward before training starts, so the
-two cannot drift apart silently.
+as a mask. It reads the model's own parameters and reuses its pure functions (hc_pre / hc_post, the
+head_hidden methods, RoPE, norms); `check_parity` compares it with the model's inference forward before
+training starts, so the two cannot drift apart silently.
 
 Two parts of DeepSeek-V4 get no gradient from the language-model loss, and are trained as DeepSeek does:
   * the Lightning Indexer (its top-k is a selection): a KL loss pulls its distribution over compressed
@@ -34,7 +34,6 @@ from leanserve.model.block import Block
 from leanserve.model.cache import CacheGeometry
 from leanserve.model.compressor import Compressor, Indexer
 from leanserve.model.deepseek_v4 import DeepseekV4
-from leanserve.model.hyper import hc_head
 from leanserve.model.layers import apply_rope, rms_norm
 from leanserve.model.moe import MoE, swiglu
 
@@ -247,10 +246,7 @@ def forward_train(model: DeepseekV4, ids: torch.Tensor, ctx: Ctx) -> tuple[torch
     mtp_in = ids[:, 1 : length + 1].reshape(-1)  # the MTP layer at t embeds token t+1
     h = mtp.h_proj(mtp.hnorm(streams)) + mtp.e_proj(mtp.enorm(model.embed(mtp_in))).unsqueeze(1)
     out = _block(mtp, h, mtp_in, ctx, "mtp.0")
-    hidden = hc_head(
-        out, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm_eps, mtp.hc_eps, mtp.norm.weight
-    )
-    return logits, model.logits(hidden)
+    return logits, model.logits(mtp.head_hidden(out))
 
 
 @dataclass(frozen=True)
