@@ -44,15 +44,11 @@ prange = numba.prange if numba is not None else range
 # math.exp compiles to a libm call per element (~5 ns, and it stops a loop from vectorising). This one is
 # plain float32 arithmetic: x = n*ln2 + r with |r| <= ln2/2, e^r by a degree-7 polynomial, 2^n put in the
 # exponent bits; within 2 ulp of e^x over the clamped range [-87, 88] (e^-87 stands in for 0).
-def _f32_from_bits(bits):  # pragma: no cover - replaced by the intrinsic below
-    raise NotImplementedError
-
-
 if numba is not None:
     from llvmlite import ir
 
     @numba.extending.intrinsic
-    def _f32_from_bits(typingctx, bits):  # noqa: F811
+    def _f32_from_bits(typingctx, bits):  # an int32's bits as a float32
         def codegen(context, builder, signature, args):
             return builder.bitcast(args[0], ir.FloatType())
 
