@@ -327,3 +327,7 @@ def test_bench_spec_runs_every_method_side_by_side(capsys):
     assert [r["method"] for r in rows] == ["none", "mtp k=1", "mtp k=2", "ngram k=3"]
     assert all(r["same_tokens"] == "1/1" and r["tok_s"] > 0 for r in rows)
     assert rows[0]["acceptance_rate"] is None and 0 <= rows[1]["acceptance_rate"] <= 1
+    assert rows[0]["step_cost"] is None
+    for r in rows[1:]:  # what one speculative step costs in plain steps: the tokens it yields over its speed-up
+        if r["mean_acceptance_length"] is not None:
+            assert r["step_cost"] == pytest.approx(r["mean_acceptance_length"] / r["speedup"], rel=0.05)

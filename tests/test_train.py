@@ -263,3 +263,85 @@ def test_model_card_reports_the_run_and_the_eval_figures(trained, corpus_dir, tm
     # without --eval-json the card takes the figures from train_summary.json; this run recorded none
     assert card_main(["--model", str(model), "--threads", "1"]) == 0
     assert "No held-out figures" in (model / "README.md").read_text()
+
+
+# --- MTP self-distillation -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory, trained, corpus_dir) -> tuple[Path, dict]:
+    from leanserve.train.distill import DistillConfig, distill
+
+    out = tmp_path_factory.mktemp("distilled")
+    dc = DistillConfig(
+        model=str(trained), out=str(out), corpus=str(corpus_dir), steps=12, batch_size=2, seq_len=64, lr=1e-2,
+        warmup_steps=0, threads=1, eval_tokens=256, progress=False,
+    )  # fmt: skip
+    return out, distill(dc, log=lambda m: None)
+
+
+def test_distillation_fits_the_mtp_layer_to_the_trunk_and_leaves_the_trunk_alone(trained, distilled):
+    from safetensors.torch import load_file
+
+    out, record = distilled
+    old, new = load_file(str(trained / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(old) == set(new)
+    trunk = [n for n in old if not n.startswith("mtp.")]
+    assert trunk and all(torch.equal(old[n], new[n]) for n in trunk)
+    assert any(not torch.equal(old[n], new[n]) for n in old if n.startswith("mtp."))
+
+    records = [json.loads(line) for line in (out / "distill_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    first, last = records[:3], records[-3:]
+    assert sum(r["soft_ce"] for r in last) < sum(r["soft_ce"] for r in first)  # it learns the trunk's distribution
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["mtp_distill"]["steps"] == 12 and summary["heldout"] == record["heldout_after"]
+    before, after = record["heldout_before"], record["heldout_after"]
+    assert after["trunk_top1"] == before["trunk_top1"] and after["trunk_loss"] == pytest.approx(before["trunk_loss"])
+    assert (out / "tokenizer.json").read_bytes() == (trained / "tokenizer.json").read_bytes()
+
+    # Speculation with the distilled MTP layer is still lossless against plain greedy decoding of the source.
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model=str(trained), max_model_len=128, load_progress=False).generate("class Thing1:", p)[0]
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    llm = LLM(model=str(out), max_model_len=128, load_progress=False, speculative_config=spec)
+    assert llm.generate("class Thing1:", p)[0].outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_distillation_refuses_bad_input_before_any_work(trained, corpus_dir, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from leanserve.train.distill import distill_main
+
+    base = ["--corpus", str(corpus_dir), "--out", str(tmp_path / "out"), "--threads", "1"]
+    no_mtp = tmp_path / "no_mtp"
+    shutil.copytree(trained, no_mtp)
+    tensors = load_file(str(no_mtp / "model.safetensors"))
+    save_file({n: t for n, t in tensors.items() if not n.startswith("mtp.")}, str(no_mtp / "model.safetensors"))
+    cases = [
+        (["--model", str(no_mtp)], "no MTP weights"),
+        (["--model", str(tmp_path / "missing")], "not a model directory"),
+        (["--model", str(trained), "--steps", "0"], "steps must be a positive integer"),
+        (["--model", str(trained), "--w-data", "2"], "w_data must be in [0, 1]"),
+        (["--model", str(trained), "--seq-len", "4"], "seq_len must be at least 8"),
+    ]
+    for args, message in cases:
+        assert distill_main([*args, *base]) == 2, args
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_card_reports_the_distillation(distilled, tmp_path):
+    pytest.importorskip("matplotlib", reason="the loss curve needs the 'train' extra: pip install -e '.[train]'")
+    out, record = distilled
+    model = tmp_path / "model"
+    shutil.copytree(out, model)
+    assert card_main(["--model", str(model), "--threads", "1"]) == 0
+    readme = (model / "README.md").read_text()
+    before, after = record["heldout_before"], record["heldout_after"]
+    assert "### MTP self-distillation" in readme and "scripts/distill_mtp.py" in readme
+    row = f"| MTP agreement with the trunk's greedy next-next token | {100 * before['mtp_agreement']:.2f}% | "
+    assert row + f"{100 * after['mtp_agreement']:.2f}% |" in readme
+    # the held-out section shows the model as it is now: the figures after distillation
+    assert (
+        f"| MTP top-1 agreement with the trunk's greedy next-next token | {100 * after['mtp_agreement']:.2f}% |"
+        in readme
+    )

@@ -308,6 +308,9 @@ class SpecRow:
     speedup: float
     acceptance_rate: float | None
     mean_acceptance_length: float | None
+    # What a speculative step costs in plain decode steps: mean accepted length / speedup (the prefill, the
+    # same for every method, counts in both, so this slightly understates it).
+    step_cost: float | None
     same_tokens: str
 
 
@@ -388,11 +391,12 @@ def spec_bench(
             tps = batch * max_tokens / statistics.median(times[name])
             acc, drafted, drafts = accepted[name]
             same = sum(a == b for a, b in zip(tokens[name], tokens["none"], strict=True))
+            length = 1 + acc / drafts if drafts else None
             rows.append(
                 SpecRow(
                     batch, name, round(tps, 1), round(tps / base, 2),
-                    round(acc / drafted, 3) if drafted else None, round(1 + acc / drafts, 2) if drafts else None,
-                    f"{same}/{batch}",
+                    round(acc / drafted, 3) if drafted else None, round(length, 2) if drafts else None,
+                    round(length * base / tps, 2) if drafts else None, f"{same}/{batch}",
                 )
             )  # fmt: skip
     for llm in engines.values():
@@ -407,6 +411,7 @@ SPEC_HEADERS = {
     "speedup": "vs none",
     "acceptance_rate": "acceptance",
     "mean_acceptance_length": "mean accepted len",
+    "step_cost": "step cost (plain steps)",
     "same_tokens": "same tokens",
 }
 

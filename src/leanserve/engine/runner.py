@@ -10,7 +10,7 @@ import torch
 
 from leanserve.config import EngineConfig, ModelConfig
 from leanserve.engine.proposers import DraftModelProposer, MTPProposer, ProposeItem
-from leanserve.engine.sampler import Sampler
+from leanserve.engine.sampler import Sampler, _is_greedy
 from leanserve.engine.scheduler import ScheduledBatch
 from leanserve.memory import PIPELINE, SPEC_DRAFT, SPEC_MTP, MemoryLedger, StageMemory, weights_bytes
 from leanserve.model.batch import Chunk, build_forward_batch
@@ -221,7 +221,8 @@ class StageRunner:
         else:
             drafts_t = torch.tensor(drafts, dtype=torch.long)
             q = None
-            if self.proposer is not None:  # the drafts were sampled from q; ngram drafts are point masses
+            # Model drafts of sampled requests were drawn from q; ngram drafts and greedy drafts need no q.
+            if self.proposer is not None and not all(_is_greedy(p) for p in params):
                 q = self.proposer.draft_probs[torch.tensor(slots), torch.tensor(cols)]
             accepted_t, emit = self.sampler.verify(logits, params, seeds_t, steps_t, drafts_t, q)
             final = torch.where(accepted_t, drafts_t, emit)

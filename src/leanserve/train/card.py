@@ -346,6 +346,53 @@ def _training(summary: dict[str, Any], records: list[dict[str, Any]]) -> str:
     return f"Command ({how}):\n\n{fence(cmd, 'sh')}\n\n{_table(('setting', 'value'), rows)}\n\n{loss_table}{note}"
 
 
+def _distillation(record: dict[str, Any]) -> str:
+    """The MTP self-distillation run (scripts/distill_mtp.py), from train_summary.json's "mtp_distill"."""
+    dc = record.get("config", {})
+    args = record.get("argv")
+    if args is None:
+        args = ["--model", str(record.get("source")), "--out", str(dc.get("out")), "--steps", str(record["steps"])]
+    cmd = shlex.join([PYTHON, "scripts/distill_mtp.py", *args])
+    rows = [
+        ("steps", f"{record['steps']:,}"),
+        ("batch", f"{dc.get('batch_size')} sequences x {dc.get('seq_len')} tokens ({record['tokens']:,} tokens)"),
+        ("wall time", f"{_duration(record['seconds'])} on {dc.get('threads')} CPU threads"),
+        (
+            "optimizer",
+            f"AdamW on the MTP layer only, peak lr {dc.get('lr')}, {dc.get('warmup_steps')} warm-up "
+            f"steps, cosine to {dc.get('min_lr_ratio')} x peak",
+        ),
+        (
+            "loss",
+            f"{1 - dc.get('w_data', 0.0):g} x CE(trunk's distribution at t+1, MTP at t) + "
+            f"{dc.get('w_data', 0.0):g} x CE(MTP at t, token t+2)",
+        ),
+        ("seed", str(dc.get("seed"))),
+    ]
+    text = (
+        "After training, the MTP layer was fitted to the trunk's own next-token distribution one position on, "
+        "which is what greedy verification accepts; the trunk was frozen and its tensors are byte-identical to "
+        f"the trained ones (plain decoding is unchanged). Command:\n\n{fence(cmd, 'sh')}\n\n"
+        + _table(("setting", "value"), rows)
+    )
+    before, after = record.get("heldout_before"), record.get("heldout_after")
+    if before and after:
+        figures = [
+            ("MTP agreement with the trunk's greedy next-next token", "mtp_agreement", _pct),
+            ("MTP top-1 accuracy vs the real token t+2", "mtp_top1", _pct),
+            ("MTP loss (nats/token)", "mtp_loss", lambda x: f"{x:.4f}"),
+            ("trunk next-token top-1 accuracy", "trunk_top1", _pct),
+        ]
+        table = _table(
+            ("held-out metric", "before", "after"), [(name, f(before[k]), f(after[k])) for name, k, f in figures]
+        )
+        text += (
+            f"\n\nOn {after['tokens']:,} held-out tokens ({after['dtype']}, windows of {after['seq_len']}), "
+            f"measured by the run:\n\n{table}"
+        )
+    return text
+
+
 def _evaluation(figures: dict[str, Any] | None, source: str, model_arg: str, summary: dict[str, Any]) -> str:
     if figures is None:
         cmd = [PYTHON, "scripts/eval_small.py", "--model", model_arg, "--json-out", f"{model_arg}/eval.json"]
@@ -447,6 +494,11 @@ def write_card(
         "## Data\n\n" + _data(model_dir, summary, figures),
         "## Training\n\n" + _training(summary, records),
         "### Loss curve\n\n![trunk and MTP training loss against training tokens](loss_curve.png)",
+        *(
+            ["### MTP self-distillation\n\n" + _distillation(summary["mtp_distill"])]
+            if "mtp_distill" in summary
+            else []
+        ),
         "## Held-out evaluation\n\n" + _evaluation(figures, source, model_arg, summary),
         "## Example completion\n\n" + _example(example, model_arg),
         "---\n\nThis card and `loss_curve.png` were written by\n\n"

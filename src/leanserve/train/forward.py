@@ -231,22 +231,32 @@ def _block(block: Block, streams: torch.Tensor, input_ids: torch.Tensor, ctx: Ct
     return _hc_post(_moe(block.ffn, block.ffn_norm(x), input_ids, ctx, key), streams, post, comb)
 
 
-def forward_train(model: DeepseekV4, ids: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids: [B, L + 2]. Returns (trunk logits [B*L, V] for tokens 1..L, MTP logits [B*L, V] for tokens 2..L+1)."""
-    cfg, length = model.cfg, ctx.length
+def trunk_forward(model: DeepseekV4, ids: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids: [B, >= L]. Returns (the trunk's pre-hc_head streams [B*L, hc, hidden] at positions 0..L-1, its
+    logits [B*L, V] there)."""
     ctx.stats = {}
-    trunk_in = ids[:, :length].reshape(-1)
+    trunk_in = ids[:, : ctx.length].reshape(-1)
     x = model.embed(trunk_in)
-    streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1)
+    streams = x.unsqueeze(1).expand(-1, model.cfg.hc_mult, -1)
     for key, block in model.layers.items():
         streams = _block(block, streams, trunk_in, ctx, key)
-    logits = model.logits(model.head_hidden(streams))
+    return streams, model.logits(model.head_hidden(streams))
 
+
+def mtp_forward(model: DeepseekV4, streams: torch.Tensor, ids: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+    """The MTP layer at positions 0..L-1 from the trunk's streams there and the embeddings of tokens 1..L of
+    ids [B, >= L + 1]: its logits [B*L, V] (for tokens 2..L+1)."""
     mtp = model.mtp["0"]
-    mtp_in = ids[:, 1 : length + 1].reshape(-1)  # the MTP layer at t embeds token t+1
+    mtp_in = ids[:, 1 : ctx.length + 1].reshape(-1)  # the MTP layer at t embeds token t+1
     h = mtp.h_proj(mtp.hnorm(streams)) + mtp.e_proj(mtp.enorm(model.embed(mtp_in))).unsqueeze(1)
     out = _block(mtp, h, mtp_in, ctx, "mtp.0")
-    return logits, model.logits(mtp.head_hidden(out))
+    return model.logits(mtp.head_hidden(out))
+
+
+def forward_train(model: DeepseekV4, ids: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids: [B, L + 2]. Returns (trunk logits [B*L, V] for tokens 1..L, MTP logits [B*L, V] for tokens 2..L+1)."""
+    streams, logits = trunk_forward(model, ids, ctx)
+    return logits, mtp_forward(model, streams, ids, ctx)
 
 
 @dataclass(frozen=True)

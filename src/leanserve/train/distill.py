@@ -1,0 +1,259 @@
+"""Self-distillation of a trained model's MTP layer (scripts/distill_mtp.py).
+
+A one-token MTP draft is accepted by greedy verification when the MTP layer's argmax at position t equals the
+trunk's argmax at t+1. Joint training (leanserve.train.trainer) fits the MTP layer to the data's token t+2;
+here it is fitted to the trunk's own next-token distribution one position on, which is what verification
+accepts:
+
+    loss = (1 - w_data) * CE(p_trunk(. | t+1) as a soft target, MTP logits at t) + w_data * CE(MTP at t, token t+2)
+
+The trunk is frozen (no gradient, no router balancing) and only `mtp.*` parameters learn, so the written
+checkpoint's trunk tensors are byte-identical to the input's (checked before anything is written) and plain
+decoding's tokens do not change. The held-out figures before and after (leanserve.train.evaluate) go into
+train_summary.json under "mtp_distill", with the run's settings; the per-step log is distill_log.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from leanserve.config import ConfigError, ModelConfig
+from leanserve.train import data as data_mod
+from leanserve.train.architecture import check_trainable
+from leanserve.train.evaluate import evaluate, format_eval
+from leanserve.train.forward import check_parity, make_ctx, mtp_forward, trunk_forward
+from leanserve.train.trainer import lr_at
+
+SUMMARY = "train_summary.json"
+LOG = "distill_log.jsonl"
+
+
+@dataclass
+class DistillConfig:
+    model: str  # the trained model directory (with mtp.0.* weights)
+    out: str  # where the distilled model goes (may be `model` itself: written only at the end)
+    corpus: str | None = None  # None: the running interpreter's standard library
+    steps: int = 300
+    batch_size: int = 8
+    seq_len: int = 512
+    lr: float = 5e-4
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    w_data: float = 0.0  # weight of the plain next-next-token loss against the soft target
+    seed: int = 1
+    threads: int = 2
+    eval_tokens: int = 32768  # held-out tokens evaluated before and after (0: skip)
+    progress: bool = True
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}.")
+        if not 0 <= self.w_data <= 1:
+            raise ValueError(f"w_data must be in [0, 1], got {self.w_data!r}.")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}.")
+        for name in ("warmup_steps", "grad_clip", "eval_tokens"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
+
+
+def prepare(dc: DistillConfig) -> tuple[data_mod.Corpus, ModelConfig]:
+    """Everything that can refuse the run, before any work: arguments, the model directory, the corpus."""
+    from leanserve.model.loader import has_mtp_weights
+
+    dc.validate()
+    src = Path(dc.model)
+    if not (src / "config.json").is_file() or not (src / "model.safetensors").is_file():
+        raise ConfigError(f"{src} is not a model directory (config.json and model.safetensors are needed).")
+    if not (src / "tokenizer.json").is_file():
+        raise ConfigError(f"{src} has no tokenizer.json; the distillation data is encoded with the model's tokenizer.")
+    cfg = ModelConfig.from_hf(src)
+    if not has_mtp_weights(src):
+        raise ConfigError(f"{src} has no MTP weights (mtp.0.*); there is no MTP layer to distil.")
+    check_trainable(cfg, dc.seq_len)
+    return data_mod.load_corpus(dc.corpus), cfg
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def distill(dc: DistillConfig, log=print, argv: list[str] | None = None) -> dict[str, Any]:
+    """Distils, writes the model directory `dc.out` and returns the "mtp_distill" record of its summary."""
+    from tqdm import tqdm
+
+    from leanserve.model.deepseek_v4 import build_model
+    from leanserve.model.loader import load_weights, save_checkpoint
+
+    corpus, cfg = prepare(dc)
+    torch.set_num_threads(dc.threads)
+    os.environ.setdefault("RAYON_NUM_THREADS", str(dc.threads))
+    torch.manual_seed(dc.seed)
+    src, out = Path(dc.model), Path(dc.out)
+    tok = data_mod.load_tokenizer(src)
+    stream = data_mod.encode_documents(tok, corpus.train, seed=dc.seed)
+    sampler = data_mod.WindowSampler(stream, dc.seq_len + 2, dc.batch_size, dc.seed)
+    model = build_model(cfg, max_positions=dc.seq_len + 2, dtype=torch.float32, with_mtp=True)
+    load_weights(model, src, progress=False)
+    params = []
+    for name, p in model.named_parameters():
+        learns = name.startswith("mtp.") and not name.endswith("gate.bias")
+        p.requires_grad_(learns)
+        if learns:
+            params.append(p)
+    log(f"model: {src}, {sum(p.numel() for p in params) / 1e6:.2f}M MTP parameters learn, the trunk is frozen")
+    parity_ids = sampler.next()[:2, : min(dc.seq_len, 256) + 2]
+    log(f"parity: batched training forward vs inference forward, max |dlog p| {check_parity(model, parity_ids):.2e}")
+
+    before = None
+    if dc.eval_tokens and corpus.heldout:
+        before = evaluate(src, corpus=corpus, max_tokens=dc.eval_tokens, seq_len=dc.seq_len)
+        log("before: " + format_eval(before))
+
+    optimizer = torch.optim.AdamW(params, lr=dc.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    ctx = make_ctx(model, dc.batch_size, dc.seq_len)
+    b, length = dc.batch_size, dc.seq_len
+    records = []
+    start = time.perf_counter()
+    with tqdm(total=dc.steps, desc="distilling", unit="step", disable=not dc.progress) as bar:
+        for step in range(dc.steps):
+            lr = lr_at(dc, step, step / dc.steps)  # (lr, warmup_steps, min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            ids = sampler.next()
+            with torch.no_grad():
+                streams, logits = trunk_forward(model, ids, ctx)
+                teacher = logits.view(b, length, -1)[:, 1:].softmax(dim=-1)  # p_trunk at t+1, for the MTP at t
+            mtp_logits = mtp_forward(model, streams, ids, ctx).view(b, length, -1)
+            soft = -(teacher * mtp_logits[:, :-1].log_softmax(dim=-1)).sum(-1).mean()
+            hard = F.cross_entropy(mtp_logits.flatten(0, 1), ids[:, 2 : length + 2].reshape(-1))
+            loss = (1 - dc.w_data) * soft + dc.w_data * hard
+            if not math.isfinite(loss.item()):
+                raise FloatingPointError(f"Loss became {loss.item()} at step {step}; lower --lr.")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if dc.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, dc.grad_clip)
+            optimizer.step()
+            agree = (mtp_logits[:, :-1].argmax(-1) == teacher.argmax(-1)).float().mean().item()
+            records.append(
+                {
+                    "step": step + 1,
+                    "soft_ce": round(soft.item(), 5),
+                    "mtp_loss": round(hard.item(), 5),
+                    "agreement": round(agree, 5),
+                    "lr": lr,
+                    "elapsed": round(time.perf_counter() - start, 2),
+                }
+            )
+            bar.set_postfix(soft=f"{soft.item():.3f}", agree=f"{agree:.3f}", refresh=False)
+            bar.update(1)
+    seconds = time.perf_counter() - start
+    log(f"distilled {dc.steps} steps in {seconds / 60:.1f} min")
+
+    # Write into a scratch directory beside `out`, check the trunk is untouched, then move into place.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as scratch:
+        tmp = Path(scratch)
+        for f in src.iterdir():
+            if f.is_file() and f.name not in ("model.safetensors", "config.json"):
+                shutil.copy2(f, tmp / f.name)
+        save_checkpoint(model, tmp, dtype=_saved_dtype(cfg))
+        new, old = _tensors(tmp / "model.safetensors"), _tensors(src / "model.safetensors")
+        changed = [n for n in old if not n.startswith("mtp.") and not torch.equal(old[n], new[n])]
+        if changed or set(new) != set(old):
+            raise RuntimeError(f"distillation would change trunk tensors ({changed[:3]}...); nothing written")
+        (tmp / LOG).write_text("".join(json.dumps(r) + "\n" for r in records))
+        after = None
+        if before is not None:
+            after = evaluate(tmp, corpus=corpus, max_tokens=dc.eval_tokens, seq_len=dc.seq_len)
+            after["model"] = str(out)
+            log("after: " + format_eval(after))
+        record: dict[str, Any] = {
+            "source": str(src),
+            "steps": dc.steps,
+            "tokens": dc.steps * b * length,
+            "seconds": round(seconds, 1),
+            "config": {k: v for k, v in asdict(dc).items() if k != "progress"},
+            "final_agreement_mean_last_10pct": sum(r["agreement"] for r in records[-max(1, len(records) // 10) :])
+            / max(1, len(records[-max(1, len(records) // 10) :])),
+            "heldout_before": before,
+            "heldout_after": after,
+            "torch_version": torch.__version__,
+        }
+        if argv is not None:
+            record["argv"] = list(argv)
+        summary_path = tmp / SUMMARY
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        summary["mtp_distill"] = record
+        if after is not None:
+            summary["heldout"] = after
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        out.mkdir(exist_ok=True)
+        for f in tmp.iterdir():
+            os.replace(f, out / f.name)
+    return record
+
+
+def _saved_dtype(cfg: ModelConfig) -> torch.dtype | None:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(cfg.torch_dtype))
+
+
+# --- command line (scripts/distill_mtp.py) ----------------------------------------------------------------
+def distill_main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    d = DistillConfig(model="", out="")
+    p = argparse.ArgumentParser(
+        description="Distil a trained model's MTP layer towards its own trunk (higher speculative acceptance); "
+        "the trunk's weights are left byte-identical."
+    )
+    p.add_argument("--model", required=True, help="trained model directory (with mtp.0.* weights)")
+    p.add_argument("--out", required=True, help="output model directory (may be --model itself)")
+    p.add_argument("--corpus", default=None, help="directory of .py files (default: this Python's standard library)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+    p.add_argument("--w-data", type=float, default=d.w_data, help="weight of the real-token MTP loss (0..1)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--eval-tokens", type=int, default=d.eval_tokens, help="held-out tokens evaluated before/after")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    dc = DistillConfig(
+        model=args.model, out=args.out, corpus=args.corpus, steps=args.steps, batch_size=args.batch_size,
+        seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
+        w_data=args.w_data, seed=args.seed, threads=args.threads, eval_tokens=args.eval_tokens,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    try:
+        prepare(dc)
+    except (ValueError, OSError) as e:  # ConfigError and CorpusError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    recorded = sys.argv[1:] if argv is None else list(argv)
+    record = distill(dc, log=lambda m: print(m, file=sys.stderr, flush=True), argv=recorded)
+    print(json.dumps({k: v for k, v in record.items() if k != "config"}, indent=2))
+    return 0
