@@ -346,6 +346,13 @@ def _training(summary: dict[str, Any], records: list[dict[str, Any]]) -> str:
     return f"Command ({how}):\n\n{fence(cmd, 'sh')}\n\n{_table(('setting', 'value'), rows)}\n\n{loss_table}{note}"
 
 
+def _distill_loss(w_data: float) -> str:
+    soft = "CE(the trunk's distribution at t+1 as a soft target, MTP logits at t)"
+    if not w_data:
+        return soft
+    return f"{1 - w_data:g} x {soft} + {w_data:g} x CE(MTP logits at t, token t+2)"
+
+
 def _distillation(record: dict[str, Any]) -> str:
     """The MTP self-distillation run (scripts/distill_mtp.py), from train_summary.json's "mtp_distill"."""
     dc = record.get("config", {})
@@ -356,17 +363,13 @@ def _distillation(record: dict[str, Any]) -> str:
     rows = [
         ("steps", f"{record['steps']:,}"),
         ("batch", f"{dc.get('batch_size')} sequences x {dc.get('seq_len')} tokens ({record['tokens']:,} tokens)"),
-        ("wall time", f"{_duration(record['seconds'])} on {dc.get('threads')} CPU threads"),
+        ("wall time", f"{_duration(record['seconds'])} on {_plural(dc.get('threads', 1), 'CPU thread')}"),
         (
             "optimizer",
-            f"AdamW on the MTP layer only, peak lr {dc.get('lr')}, {dc.get('warmup_steps')} warm-up "
-            f"steps, cosine to {dc.get('min_lr_ratio')} x peak",
+            f"AdamW on the MTP layer only, peak lr {dc.get('lr')}, {dc.get('warmup_steps')} warm-up steps, "
+            f"cosine to {dc.get('min_lr_ratio')} x peak",
         ),
-        (
-            "loss",
-            f"{1 - dc.get('w_data', 0.0):g} x CE(trunk's distribution at t+1, MTP at t) + "
-            f"{dc.get('w_data', 0.0):g} x CE(MTP at t, token t+2)",
-        ),
+        ("loss", _distill_loss(dc.get("w_data", 0.0))),
         ("seed", str(dc.get("seed"))),
     ]
     text = (
