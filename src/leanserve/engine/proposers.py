@@ -108,7 +108,11 @@ class MTPProposer(ModelProposer):
         logits_index = [last_row[id(it)] for it in wanted]
         fb = build_forward_batch(chunks, self.geometry, logits_index=logits_index, device=self.device)
         cfg = self.model.cfg
-        streams = self.target_hidden[torch.tensor(rows, device=self.device)].view(-1, cfg.hc_mult, cfg.hidden_size)
+        if rows == list(range(rows[0], rows[0] + len(rows))):  # one chunk (or adjacent ones): a view, no gather
+            streams = self.target_hidden[rows[0] : rows[0] + len(rows)]
+        else:
+            streams = self.target_hidden[torch.tensor(rows, device=self.device)]
+        streams = streams.view(-1, cfg.hc_mult, cfg.hidden_size)
         logits, out = self.model.mtp_forward(streams, fb, self.caches)
         return out[logits_index], logits
 
