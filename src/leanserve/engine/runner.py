@@ -154,19 +154,37 @@ class StageRunner:
         if isinstance(self.proposer, DraftModelProposer):  # the draft model's weights are weights too
             self.memory.weights_bytes += weights_bytes(self.proposer.model)
         self._written = np.zeros(config.max_num_seqs, dtype=np.int64)  # positions each slot holds
+        self.max_num_batched_tokens = tokens
 
     def info(self) -> StageInfo:
         return StageInfo(self.layout, self.memory, tuple(n for n, _ in self.model.named_parameters()))
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """One throw-away forward, so first-call costs (kernel compilation, allocator) are not billed to the
-        first request. It writes position 0 of slot 0, which no sequence has committed yet."""
-        fb = build_forward_batch([Chunk(0, 0, [0])], self.geometry, logits_index=[0], device=self.device)
-        streams = None
-        if not self.layout.is_first:
-            streams = torch.zeros(1, self.cfg.hc_mult, self.cfg.hidden_size, dtype=self.recv_streams.dtype)
-        self.model(fb, self.caches, streams)
+        """Throw-away forwards, so first-call costs (loading the compiled kernels' variants, the allocator) are
+        not billed to the first request: a short prefill chunk (the torch path), then a one-token decode step
+        (the numpy path), through the trunk and the drafter when there is one. They write positions of slot 0,
+        which no sequence has committed yet (a request's prefill overwrites them)."""
+        n = max(1, min(16, self.geometry.max_model_len - 1, self.max_num_batched_tokens - 1))
+        hc, hidden = self.cfg.hc_mult, self.cfg.hidden_size
+        for chunk in (Chunk(0, 0, [0] * n), Chunk(0, n, [0])):
+            size = len(chunk.token_ids)
+            fb = build_forward_batch([chunk], self.geometry, logits_index=[size - 1], device=self.device)
+            streams = None
+            if not self.layout.is_first:
+                streams = torch.zeros(size, hc, hidden, dtype=self.recv_streams.dtype, device=self.device)
+            self.model(fb, self.caches, streams, target_hidden=self.target_hidden)
+            if isinstance(self.proposer, MTPProposer):
+                mtp_fb = build_forward_batch(
+                    [chunk], self.proposer.geometry, logits_index=[size - 1], device=self.device
+                )
+                self.model.mtp_forward(self.target_hidden[:size].view(size, hc, hidden), mtp_fb, self.caches)
+            elif isinstance(self.proposer, DraftModelProposer):
+                draft = self.proposer
+                draft.model(
+                    build_forward_batch([chunk], draft.geometry, logits_index=[size - 1], device=self.device),
+                    draft.caches,
+                )
 
     def streams_buffer(self, num_tokens: int) -> torch.Tensor:
         """Where the previous stage's streams for a step of `num_tokens` tokens are received."""
