@@ -331,3 +331,18 @@ def test_bench_spec_runs_every_method_side_by_side(capsys):
     for r in rows[1:]:  # what one speculative step costs in plain steps: the tokens it yields over its speed-up
         if r["mean_acceptance_length"] is not None:
             assert r["step_cost"] == pytest.approx(r["mean_acceptance_length"] / r["speedup"], rel=0.05)
+
+
+def test_bench_spec_cost_reports_a_step_and_its_ceiling(capsys, make_ckpt):
+    args = ["--log-level", "warning", "bench", "spec-cost", "--model", str(SHIPPED), "--batch-sizes", "1,2"]
+    assert main([*args, "--repeats", "4", "--output", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["plain_ms"] > 0 and r["verify"] > 0 and r["propose_accepted"] > 0 and r["propose_rejected"] > 0
+        assert r["step_all_accepted"] == pytest.approx(r["verify"] + r["propose_accepted"], abs=0.011)
+        assert r["ceiling"] == pytest.approx(2 / r["step_all_accepted"], abs=0.011)
+
+    no_mtp = make_ckpt("spec-cost-no-mtp", num_nextn_predict_layers=0)
+    assert main(["--log-level", "warning", "bench", "spec-cost", "--model", str(no_mtp)]) == 2
+    assert "needs the checkpoint's MTP layer" in capsys.readouterr().err

@@ -232,24 +232,12 @@ def step_bench(
 ) -> list[StepRow]:
     """Times one decode step of the model's last stage with the target-hidden buffer present (MTP on: the
     forward copies the pre-hc_head streams into it) and absent, alternating on the same caches."""
-    from leanserve.config import EngineConfig, ModelConfig
-    from leanserve.engine.llm_engine import resolve_dtype
-    from leanserve.engine.runner import SampleSpec, StageRunner, StepPlan
-    from leanserve.engine.topology import PipelineTopology
+    from leanserve.engine.runner import SampleSpec, StepPlan
     from leanserve.model.batch import Chunk
     from leanserve.sampling_params import SamplingParams
 
-    cfg = ModelConfig.from_hf(model)
-    spec = {"method": "mtp", "num_speculative_tokens": 1}
     most = max(batch_sizes)
-    config = EngineConfig(
-        model, max_model_len=prompt_len + repeats + 8, max_num_seqs=most,
-        max_num_batched_tokens=max(max_num_batched_tokens, most * prompt_len), speculative_config=spec,
-    )  # fmt: skip
-    runner = StageRunner(
-        cfg, config, PipelineTopology.build(cfg, 1).layout(0), resolve_dtype("auto", model),
-        config.resolved_max_model_len(cfg), progress=False,
-    )  # fmt: skip
+    runner = _mtp_runner(model, most, prompt_len + repeats + 8, max(max_num_batched_tokens, most * prompt_len))
     runner.proposer = None  # time the trunk step alone: the two arms differ only by the copy
     buffer = runner.target_hidden
     greedy = SamplingParams(temperature=0.0)
@@ -279,6 +267,25 @@ def step_bench(
         rows.append(StepRow(batch, round(off, 1), round(on, 1), round(diff, 1), round(on / off, 3), buffer.nbytes))
     runner.target_hidden = buffer
     return rows
+
+
+def _mtp_runner(model: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, dtype: str = "auto"):
+    """A one-stage runner of `model` with the MTP drafter (k = 1), for timing its parts directly."""
+    from leanserve.config import EngineConfig, ModelConfig
+    from leanserve.engine.llm_engine import check_speculative, resolve_dtype
+    from leanserve.engine.runner import StageRunner
+    from leanserve.engine.topology import PipelineTopology
+
+    cfg = ModelConfig.from_hf(model)
+    config = EngineConfig(
+        model, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    )  # fmt: skip
+    check_speculative(config.speculative_config, cfg, model)
+    return StageRunner(
+        cfg, config, PipelineTopology.build(cfg, 1).layout(0), resolve_dtype(dtype, model),
+        config.resolved_max_model_len(cfg), progress=False,
+    )  # fmt: skip
 
 
 STEP_HEADERS = {
@@ -413,6 +420,88 @@ SPEC_HEADERS = {
     "mean_acceptance_length": "mean accepted len",
     "step_cost": "step cost (plain steps)",
     "same_tokens": "same tokens",
+}
+
+
+# --- bench spec-cost: what a one-token MTP step costs, in plain decode steps -------------------------------
+@dataclass
+class SpecCostRow:
+    batch_size: int
+    plain_ms: float  # a plain decode step: the trunk over one token per sequence, the head, sampling
+    verify: float  # the trunk over two tokens per sequence (the token and its draft) and verification, x plain
+    propose_rejected: float  # the MTP layer's proposal after a rejected draft (over one position), x plain
+    propose_accepted: float  # ... after an accepted draft (over two positions), x plain
+    step_all_accepted: float  # verify + propose_accepted: a speculative step when every draft is accepted
+    ceiling: float  # 2 / step_all_accepted: the speed-up of k = 1 if every draft were accepted
+
+
+def spec_cost_bench(
+    model: str, batch_sizes: list[int], repeats: int = 50, prompt_len: int = 32, dtype: str = "float32"
+) -> list[SpecCostRow]:
+    """Times the parts of a one-token MTP speculative step against a plain decode step on the same caches,
+    interleaved at the same positions (each arm rewrites the last one's: a rollback), medians over `repeats`.
+    A step yields at most 2 tokens, so 2 / (its cost in plain steps) bounds MTP k = 1's speed-up."""
+    from leanserve.engine.proposers import ProposeItem
+    from leanserve.engine.runner import SampleSpec, StepPlan
+    from leanserve.model.batch import Chunk
+    from leanserve.sampling_params import SamplingParams
+
+    most = max(batch_sizes)
+    runner = _mtp_runner(model, most, prompt_len + repeats + 8, max(2048, most * prompt_len), dtype)
+    proposer, buffer = runner.proposer, runner.target_hidden
+    greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20)
+    rows = []
+    for batch in batch_sizes:
+        prefill = tuple(Chunk(s, 0, tuple(range(3, 3 + prompt_len))) for s in range(batch))
+        runner.proposer = None
+        runner.execute(StepPlan(prefill, (), (), (5,) * batch))
+
+        def trunk(position: int, drafts: int, batch: int = batch) -> float:
+            runner.proposer, runner.target_hidden = None, buffer if drafts else None
+            chunks = tuple(Chunk(s, position, (5,) * (1 + drafts)) for s in range(batch))
+            samples = tuple(SampleSpec(s, greedy, 0, 0, s, (5,) * drafts) for s in range(batch))
+            plan = StepPlan(chunks, tuple(range(batch * (1 + drafts))), samples, (-1,) * batch)
+            start = time.perf_counter()
+            runner.execute(plan)
+            return time.perf_counter() - start
+
+        def propose(position: int, accepted: bool, batch: int = batch) -> float:
+            # After a verify step at `position`: catch up over 1 (rejected) or 2 (accepted) positions, then draft.
+            known = (5, 5, 7) if accepted else (5, 7)
+            items = [ProposeItem(s, position, known, 2 * s, s, greedy, 1, 1) for s in range(batch)]
+            start = time.perf_counter()
+            proposer.propose(items, dict.fromkeys(range(batch), 0))
+            return time.perf_counter() - start
+
+        times: dict[str, list[float]] = {"plain": [], "verify": [], "rejected": [], "accepted": []}
+        for r in range(repeats + 2):
+            position = prompt_len + r
+            for name, drafts in (("plain", 0), ("verify", 1)) if r % 2 else (("verify", 1), ("plain", 0)):
+                times[name].append(trunk(position, drafts))
+            # the proposals read the verify step's streams (any order of the two)
+            for name in ("rejected", "accepted") if r % 2 else ("accepted", "rejected"):
+                times[name].append(propose(position, name == "accepted"))
+        med = {k: statistics.median(v[2:]) for k, v in times.items()}  # (the first two rounds warm up)
+        plain = med["plain"]
+        step = (med["verify"] + med["accepted"]) / plain
+        rows.append(
+            SpecCostRow(
+                batch, round(plain * 1e3, 3), round(med["verify"] / plain, 2), round(med["rejected"] / plain, 2),
+                round(med["accepted"] / plain, 2), round(step, 2), round(2 / step, 2),
+            )
+        )  # fmt: skip
+    runner.proposer, runner.target_hidden = proposer, buffer
+    return rows
+
+
+SPEC_COST_HEADERS = {
+    "batch_size": "batch",
+    "plain_ms": "plain step ms",
+    "verify": "verify (x plain)",
+    "propose_rejected": "MTP after reject",
+    "propose_accepted": "MTP after accept",
+    "step_all_accepted": "k=1 step, all accepted",
+    "ceiling": "k=1 ceiling",
 }
 
 

@@ -139,6 +139,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--repeats", type=int, default=50)
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--output", default="table", choices=["table", "json"])
+    sc = kinds.add_parser(
+        "spec-cost", help="what a one-token MTP speculative step costs in plain decode steps, and its ceiling"
+    )
+    sc.add_argument("--model", required=True, help="a model directory with MTP weights")
+    sc.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
+    sc.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    sc.add_argument("--repeats", type=int, default=50)
+    sc.add_argument("--threads", type=int, default=None)
+    sc.add_argument("--output", default="table", choices=["table", "json"])
     sv = kinds.add_parser("serve", help="a bounded loopback load generator against a real server process")
     sv.add_argument("--model", required=True)
     sv.add_argument("--concurrency", type=_int_list, default=[1, 8, 32])
@@ -187,6 +196,9 @@ def _bench(args: argparse.Namespace) -> int:
             args.model, args.concurrency, args.requests, args.max_tokens, args.prompt_len, ["--dtype", args.dtype]
         )
         bench.print_rows(rows, args.output, bench.SERVE_HEADERS)
+    elif args.bench == "spec-cost":
+        rows = bench.spec_cost_bench(args.model, args.batch_sizes, args.repeats, dtype=args.dtype)
+        bench.print_rows(rows, args.output, bench.SPEC_COST_HEADERS)
     elif args.bench == "step":
         rows = bench.step_bench(args.model, args.batch_sizes, args.max_num_batched_tokens, args.repeats)
         bench.print_rows(rows, args.output, bench.STEP_HEADERS)
