@@ -33,7 +33,7 @@ from leanserve.train import data as data_mod
 from leanserve.train.architecture import check_trainable
 from leanserve.train.evaluate import evaluate, format_eval
 from leanserve.train.forward import check_parity, make_ctx, mtp_forward, trunk_forward
-from leanserve.train.trainer import lr_at
+from leanserve.train.trainer import check_fields, lr_at
 
 SUMMARY = "train_summary.json"
 LOG = "distill_log.jsonl"
@@ -58,19 +58,13 @@ class DistillConfig:
     progress: bool = True
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}.")
-        if not 0 <= self.w_data <= 1:
-            raise ValueError(f"w_data must be in [0, 1], got {self.w_data!r}.")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}.")
-        for name in ("warmup_steps", "grad_clip", "eval_tokens"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
+        check_fields(
+            self,
+            positive_ints=("steps", "batch_size", "seq_len", "threads"),
+            positive=("lr",),
+            non_negative=("warmup_steps", "grad_clip", "eval_tokens"),
+            fractions=("w_data", "min_lr_ratio"),
+        )
 
 
 def prepare(dc: DistillConfig) -> tuple[data_mod.Corpus, ModelConfig]:

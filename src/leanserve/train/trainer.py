@@ -61,18 +61,33 @@ class TrainConfig:
             raise ValueError(f"steps must be a positive integer, got {self.steps!r}.")
         if self.minutes is not None and not (self.minutes > 0 and math.isfinite(self.minutes)):
             raise ValueError(f"minutes must be a positive number, got {self.minutes!r}.")
-        for name in ("batch_size", "seq_len", "threads", "vocab_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}.")
-        for name in ("w_mtp", "w_indexer", "weight_decay", "balance_gamma", "grad_clip", "warmup_steps"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be >= 0, got {value!r}.")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}.")
+        check_fields(
+            self,
+            positive_ints=("batch_size", "seq_len", "threads", "vocab_size"),
+            positive=("lr",),
+            non_negative=("w_mtp", "w_indexer", "weight_decay", "balance_gamma", "grad_clip", "warmup_steps"),
+            fractions=("min_lr_ratio",),
+        )
+
+
+def check_fields(obj, positive_ints=(), positive=(), non_negative=(), fractions=()) -> None:
+    """Refuses a run's setting out of its range, naming it (a ValueError)."""
+    for name in positive_ints:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    for name in positive:
+        value = getattr(obj, name)
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a positive number, got {value!r}.")
+    for name in non_negative:
+        value = getattr(obj, name)
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be >= 0, got {value!r}.")
+    for name in fractions:
+        value = getattr(obj, name)
+        if not 0 <= value <= 1:
+            raise ValueError(f"{name} must be in [0, 1], got {value!r}.")
 
 
 def lr_at(tc: TrainConfig, step: int, progress: float) -> float:
