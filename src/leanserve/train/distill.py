@@ -44,7 +44,7 @@ class DistillConfig:
     model: str  # the trained model directory (with mtp.0.* weights)
     out: str  # where the distilled model goes (may be `model` itself: written only at the end)
     corpus: str | None = None  # None: the running interpreter's standard library
-    steps: int = 300
+    steps: int = 400
     batch_size: int = 8
     seq_len: int = 512
     lr: float = 5e-4
