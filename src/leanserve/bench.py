@@ -402,8 +402,8 @@ def spec_bench(
             rows.append(
                 SpecRow(
                     batch, name, round(tps, 1), round(tps / base, 2),
-                    round(acc / drafted, 3) if drafted else None, round(length, 2) if drafts else None,
-                    round(length * base / tps, 2) if drafts else None, f"{same}/{batch}",
+                    round(acc / drafted, 3) if drafted else None, round(length, 2) if length else None,
+                    round(length * base / tps, 2) if length else None, f"{same}/{batch}",
                 )
             )  # fmt: skip
     for llm in engines.values():

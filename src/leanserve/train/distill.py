@@ -95,7 +95,7 @@ def distill(dc: DistillConfig, log=print, argv: list[str] | None = None) -> dict
     from tqdm import tqdm
 
     from leanserve.model.deepseek_v4 import build_model
-    from leanserve.model.loader import load_weights, save_checkpoint
+    from leanserve.model.loader import checkpoint_dtype, load_weights, save_checkpoint
 
     corpus, cfg = prepare(dc)
     torch.set_num_threads(dc.threads)
@@ -170,7 +170,7 @@ def distill(dc: DistillConfig, log=print, argv: list[str] | None = None) -> dict
         for f in src.iterdir():
             if f.is_file() and f.name not in ("model.safetensors", "config.json"):
                 shutil.copy2(f, tmp / f.name)
-        save_checkpoint(model, tmp, dtype=_saved_dtype(cfg))
+        save_checkpoint(model, tmp, dtype=checkpoint_dtype(src))  # the source's own dtype
         new, old = _tensors(tmp / "model.safetensors"), _tensors(src / "model.safetensors")
         changed = [n for n in old if not n.startswith("mtp.") and not torch.equal(old[n], new[n])]
         if changed or set(new) != set(old):
@@ -181,14 +181,14 @@ def distill(dc: DistillConfig, log=print, argv: list[str] | None = None) -> dict
             after = evaluate(tmp, corpus=corpus, max_tokens=dc.eval_tokens, seq_len=dc.seq_len)
             after["model"] = str(out)
             log("after: " + format_eval(after))
+        tail = records[-max(1, len(records) // 10) :]
         record: dict[str, Any] = {
             "source": str(src),
             "steps": dc.steps,
             "tokens": dc.steps * b * length,
             "seconds": round(seconds, 1),
             "config": {k: v for k, v in asdict(dc).items() if k != "progress"},
-            "final_agreement_mean_last_10pct": sum(r["agreement"] for r in records[-max(1, len(records) // 10) :])
-            / max(1, len(records[-max(1, len(records) // 10) :])),
+            "final_agreement_mean_last_10pct": sum(r["agreement"] for r in tail) / len(tail),
             "heldout_before": before,
             "heldout_after": after,
             "torch_version": torch.__version__,
@@ -205,10 +205,6 @@ def distill(dc: DistillConfig, log=print, argv: list[str] | None = None) -> dict
         for f in tmp.iterdir():
             os.replace(f, out / f.name)
     return record
-
-
-def _saved_dtype(cfg: ModelConfig) -> torch.dtype | None:
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(cfg.torch_dtype))
 
 
 # --- command line (scripts/distill_mtp.py) ----------------------------------------------------------------
