@@ -90,14 +90,15 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def distill(dc: DistillConfig, log=print, argv: list[str] | None = None) -> dict[str, Any]:
-    """Distils, writes the model directory `dc.out` and returns the "mtp_distill" record of its summary."""
+def distill(dc: DistillConfig, log=print, argv: list[str] | None = None, prepared=None) -> dict[str, Any]:
+    """Distils, writes the model directory `dc.out` and returns the "mtp_distill" record of its summary.
+    `prepared`: what `prepare(dc)` already returned, so the corpus is not read twice."""
     from tqdm import tqdm
 
     from leanserve.model.deepseek_v4 import build_model
     from leanserve.model.loader import checkpoint_dtype, load_weights, save_checkpoint
 
-    corpus, cfg = prepare(dc)
+    corpus, cfg = prepared or prepare(dc)
     torch.set_num_threads(dc.threads)
     os.environ.setdefault("RAYON_NUM_THREADS", str(dc.threads))
     torch.manual_seed(dc.seed)
@@ -239,11 +240,11 @@ def distill_main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
     )  # fmt: skip
     try:
-        prepare(dc)
+        prepared = prepare(dc)
     except (ValueError, OSError) as e:  # ConfigError and CorpusError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
     recorded = sys.argv[1:] if argv is None else list(argv)
-    record = distill(dc, log=lambda m: print(m, file=sys.stderr, flush=True), argv=recorded)
+    record = distill(dc, log=lambda m: print(m, file=sys.stderr, flush=True), argv=recorded, prepared=prepared)
     print(json.dumps({k: v for k, v in record.items() if k != "config"}, indent=2))
     return 0

@@ -118,15 +118,16 @@ def prepare(tc: TrainConfig):
     return corpus, cfg
 
 
-def train(tc: TrainConfig, log=print, argv: list[str] | None = None) -> dict[str, Any]:
+def train(tc: TrainConfig, log=print, argv: list[str] | None = None, prepared=None) -> dict[str, Any]:
     """Trains, writes the model directory (config.json, model.safetensors with mtp.0.*, tokenizer.json,
     generation_config.json, train_log.jsonl, train_summary.json) and returns the summary. `argv`: the command
-    line's arguments, recorded in the summary (train_main passes them)."""
+    line's arguments, recorded in the summary (train_main passes them). `prepared`: what `prepare(tc)` already
+    returned, so the corpus is not read twice."""
     from tqdm import tqdm
 
     from leanserve.model.loader import save_checkpoint
 
-    corpus, cfg = prepare(tc)
+    corpus, cfg = prepared or prepare(tc)
     torch.set_num_threads(tc.threads)
     os.environ.setdefault("RAYON_NUM_THREADS", str(tc.threads))  # the tokenizers library's thread pool
     torch.manual_seed(tc.seed)
@@ -363,12 +364,12 @@ def train_main(argv: list[str] | None = None) -> int:
         model=overrides,
     )
     try:
-        prepare(tc)  # refuse bad arguments, corpus or config before anything slow
+        prepared = prepare(tc)  # refuse bad arguments, corpus or config before anything slow
     except (ValueError, OSError) as e:  # CorpusError and ConfigError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
     _tune_malloc()
     recorded = sys.argv[1:] if argv is None else list(argv)
-    summary = train(tc, log=lambda m: print(m, file=sys.stderr, flush=True), argv=recorded)
+    summary = train(tc, log=lambda m: print(m, file=sys.stderr, flush=True), argv=recorded, prepared=prepared)
     print(json.dumps({k: v for k, v in summary.items() if k != "train_config"}, indent=2))
     return 0
