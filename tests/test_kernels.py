@@ -1,77 +1,82 @@
-"""The numba CPU kernels agree with their torch reference."""
+"""The CPU backend (the numba kernels) agrees with the torch backend, op by op and on whole engines, and the
+engine takes the CPU backend's decode path where it should."""
 
 import numpy as np
 import pytest
 import torch
 
 from leanserve.model import cpu_kernels
-from leanserve.model.hyper import mhc_weights, mhc_weights_torch
+from leanserve.model.backend import TorchBackend, select_backend, set_backend
+from leanserve.model.hyper import MixWeights
 
-pytestmark = pytest.mark.skipif(cpu_kernels.mhc_weights is None, reason="numba is not installed")
+pytestmark = pytest.mark.skipif(cpu_kernels.numba is None, reason="numba is not installed")
 
-
-@pytest.mark.parametrize("hc, tokens", [(2, 1), (4, 1), (4, 37), (4, 300)])
-def test_mhc_weights_match_torch(hc, tokens):
-    gen = torch.Generator().manual_seed(hc * 1000 + tokens)
-    mixes = torch.randn(tokens, (2 + hc) * hc, generator=gen) * 3
-    scale = torch.rand(3, generator=gen) + 0.5
-    base = torch.randn((2 + hc) * hc, generator=gen)
-    fast = mhc_weights(mixes, scale, base, hc, 1e-6, 20)
-    ref = mhc_weights_torch(mixes, scale, base, hc, 1e-6, 20)
-    for name, a, b in zip(("pre", "post", "comb"), fast, ref, strict=True):
-        assert a.shape == b.shape, name
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
-    # Sinkhorn ends with a column normalisation: every column of comb sums to 1
-    torch.testing.assert_close(fast[2].sum(-2), torch.ones(tokens, hc), rtol=1e-5, atol=1e-5)
+TORCH = TorchBackend()
 
 
-def _both(fn, *args):
-    """fn(*args) through the kernels and through torch."""
-    fast = fn(*args)
+def _cpu():
+    from leanserve.model.cpu_backend import CpuBackend
+
+    return CpuBackend()
+
+
+def _both(op: str, *args):
+    """The op through the CPU backend and through the torch backend."""
+    return getattr(_cpu(), op)(*args), getattr(TORCH, op)(*args)
+
+
+def test_backend_is_chosen_from_device_dtype_and_kernels():
+    from leanserve.model.cpu_backend import CpuBackend
+
+    assert isinstance(select_backend("cpu", torch.float32), CpuBackend)
+    assert isinstance(select_backend("cpu", torch.bfloat16), CpuBackend)
+    assert type(select_backend("cpu", torch.float16)) is TorchBackend  # the kernels read float32 / bf16 weights
+    assert type(select_backend("meta", torch.bfloat16)) is TorchBackend
+    assert type(select_backend("cpu", torch.float32, "torch")) is TorchBackend
     with cpu_kernels.disabled():
-        ref = fn(*args)
-    return fast, ref
+        assert type(select_backend("cpu", torch.float32)) is TorchBackend
+        with pytest.raises(ValueError, match="cpu backend needs"):
+            select_backend("cpu", torch.float32, "cpu")
+    with pytest.raises(ValueError, match="Unknown backend 'cuda-graphs'"):
+        select_backend("cpu", torch.float32, "cuda-graphs")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 70])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 def test_linear_and_norms_match_torch(rows, weight_dtype):
-    from leanserve.model.layers import grouped_linear, linear, norm_rope, rms_norm
-
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 3, 64, generator=gen)
     w = torch.randn(41, 64, generator=gen).to(weight_dtype)  # (an odd row count: the tile's last row alone)
+    w2 = torch.randn(7, 64, generator=gen).to(weight_dtype)
     grouped_w = torch.randn(3, 24, 64, generator=gen).to(weight_dtype)
     norm_w = torch.rand(64, generator=gen) + 0.5
     angles = torch.rand(rows, 16, generator=gen) * 6
     freqs = torch.polar(torch.full_like(angles, 1.3), angles)
-    for fn, args in [
-        (linear, (x, w)),
-        (grouped_linear, (x, grouped_w)),
-        (rms_norm, (x, 1e-6)),
-        (rms_norm, (x, 1e-6, norm_w)),
-        (norm_rope, (x, freqs, 1e-6)),
-        (norm_rope, (x, freqs, 1e-6, norm_w)),
+    for op, args in [
+        ("linears", (x, (w, w2))),
+        ("grouped_linear", (x, grouped_w)),
+        ("rms_norm", (x, 1e-6)),
+        ("rms_norm", (x, 1e-6, norm_w)),
+        ("norm_rope", (x, freqs, 1e-6)),
+        ("norm_rope", (x, freqs, 1e-6, norm_w)),
     ]:
-        fast, ref = _both(fn, *args)
+        fast, ref = _both(op, *args)
         torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_matches_torch(inverse):
-    from leanserve.model.layers import apply_rope
-
     gen = torch.Generator().manual_seed(int(inverse))
     x = torch.randn(9, 4, 64, generator=gen)
     freqs = torch.polar(torch.ones(9, 16), torch.rand(9, 16, generator=gen) * 6)
-    fast, ref = _both(apply_rope, x, freqs, inverse)
+    fast, ref = _both("apply_rope", x, freqs, inverse)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
     assert not torch.equal(fast, x)  # it rotated something
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 40, 300])  # (300: the projection is a torch matmul, see MANY_TOKENS)
 def test_hc_pre_and_post_match_torch(tokens):
-    from leanserve.model.hyper import MANY_TOKENS, hc_post, hc_pre
+    from leanserve.model.cpu_backend import MANY_TOKENS
 
     assert (tokens >= MANY_TOKENS) == (tokens == 300)
 
@@ -81,25 +86,25 @@ def test_hc_pre_and_post_match_torch(tokens):
     fn = torch.randn((2 + hc) * hc, hc * dim, generator=gen) * 0.1
     base, scale = torch.randn((2 + hc) * hc, generator=gen), torch.rand(3, generator=gen) + 0.5
     norm_w = torch.rand(dim, generator=gen) + 0.5
-    fast, ref = _both(hc_pre, streams, fn, base, scale, 1e-6, 1e-6, 20, norm_w)
+    fast, ref = _both("hc_pre", streams, MixWeights(fn, base, scale, norm_w, 1e-6, 1e-6, 20))
     for a, b in zip(fast, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # Sinkhorn ends with a column normalisation: every column of comb sums to 1
+    torch.testing.assert_close(fast[2].sum(-2), torch.ones(tokens, hc), rtol=1e-5, atol=1e-5)
     block_out = torch.randn(tokens, dim, generator=gen)
-    fast, ref = _both(hc_post, block_out, streams, *fast[1:])
+    fast, ref = _both("hc_post", block_out, streams, *fast[1:])
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tokens", [1, 9])
 def test_hc_head_matches_torch(tokens):
     # hc_head + the final norm run as hc_pre's kernel with its pre weights only
-    from leanserve.model.hyper import hc_head
-
     gen = torch.Generator().manual_seed(tokens)
     hc, dim = 4, 32
     streams = torch.randn(tokens, hc, dim, generator=gen)
     fn, base = torch.randn(hc, hc * dim, generator=gen) * 0.1, torch.randn(hc, generator=gen)
     scale, norm_w = torch.rand(1, generator=gen) + 0.5, torch.rand(dim, generator=gen) + 0.5
-    fast, ref = _both(hc_head, streams, fn, base, scale, 1e-6, 1e-6, norm_w)
+    fast, ref = _both("hc_head", streams, MixWeights(fn, base, scale, norm_w, 1e-6, 1e-6, 0))
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
     assert fast.shape == (tokens, dim)
 
@@ -111,25 +116,30 @@ def test_moe_few_tokens_matches_grouped(kind, scoring, weight_dtype):
     from dataclasses import replace
 
     from leanserve.config import ModelConfig
-    from leanserve.model.moe import FEW_TOKENS, MoE
+    from leanserve.model.cpu_backend import FEW_ROWS
+    from leanserve.model.moe import MoE
 
     cfg = replace(ModelConfig.from_hf("models/dsv4-stdlib-8m"), scoring_func=scoring)
     gen = torch.Generator().manual_seed(7)
     moe = MoE(cfg, kind).requires_grad_(False)
     for p in moe.parameters():
         p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    for p in moe._matrices():  # the matrices in the checkpoint's dtype, as the loader leaves them
+    w = moe.weights()
+    for p in (w.gate, w.w13, w.w2, w.shared_w1, w.shared_w3, w.shared_w2):  # in the checkpoint's dtype
         p.data = p.data.to(weight_dtype)
     if kind == "hash_moe":
         moe.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, moe.gate.tid2eid.shape, generator=gen))
-    x = torch.randn(FEW_TOKENS, cfg.hidden_size, generator=gen)
-    ids = torch.randint(0, cfg.vocab_size, (FEW_TOKENS,), generator=gen)
-    fast, ref = _both(moe, x, ids)
-    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
+    x = torch.randn(FEW_ROWS, cfg.hidden_size, generator=gen)
+    ids = torch.randint(0, cfg.vocab_size, (FEW_ROWS,), generator=gen)
+    set_backend(moe, _cpu())
+    fast = moe(x, ids)
+    set_backend(moe, TORCH)
+    torch.testing.assert_close(fast, moe(x, ids), rtol=1e-4, atol=1e-5)
 
 
 def test_padded_experts_match_grouped_matmul():
-    from leanserve.model.moe import grouped_mm, padded_experts, swiglu
+    from leanserve.model.cpu_backend import padded_experts
+    from leanserve.model.torch_ops import experts as grouped_experts
 
     gen = torch.Generator().manual_seed(3)
     experts, hidden, inter = 8, 32, 16
@@ -138,34 +148,65 @@ def test_padded_experts_match_grouped_matmul():
     rows = torch.randn(int(counts.sum()), hidden, generator=gen)
     padded = padded_experts(rows, counts, w13, w2, 10.0)
     assert padded is not None
-    ends = torch.cumsum(counts, 0)
-    gate, up = grouped_mm(rows, w13, ends).chunk(2, dim=-1)
-    torch.testing.assert_close(padded, grouped_mm(swiglu(gate, up, 10.0), w2, ends), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(padded, grouped_experts(rows, counts, w13, w2, 10.0), rtol=1e-4, atol=1e-4)
     assert padded_experts(rows[:4], torch.tensor([4, 0, 0, 0, 0, 0, 0, 0]), w13, w2, 10.0) is None  # skewed
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_with_kernels_matches_torch_path(dtype):
+def test_engine_with_kernels_matches_torch_backend(dtype):
     # Prefill (torch matmuls), decode and speculative verification (the compiled kernels) against the torch
-    # path everywhere: the same tokens, logprobs within float32 noise. With bfloat16 weights both paths
-    # compute in float32 (see activation_dtype).
+    # backend everywhere: the same tokens, logprobs within float32 noise. With bfloat16 weights both compute in
+    # float32 (the torch backend is asked for float32 activations by upcasting the weights: dtype float32).
     from leanserve import LLM, SamplingParams
 
     # (122 + 12 tokens: a heavily compressed window, r = 128, closes during decoding)
     prompts = [list(range(3, 3 + n)) for n in (5, 70, 23, 122)]
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    llm = LLM("models/dsv4-stdlib-8m", dtype=dtype, max_model_len=160, max_num_batched_tokens=64,
-              speculative_config=spec, load_progress=False)  # fmt: skip
-    fast = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    with cpu_kernels.disabled():
-        ref = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    for a, b in zip(fast, ref, strict=True):
+    outs = {}
+    for backend, engine_dtype in (("auto", dtype), ("torch", "float32")):
+        llm = LLM("models/dsv4-stdlib-8m", dtype=engine_dtype, max_model_len=160, max_num_batched_tokens=64,
+                  speculative_config=spec, load_progress=False, backend=backend)  # fmt: skip
+        runner = llm.engine.executor.runner
+        assert runner.model.ops.name == ("cpu" if backend == "auto" else "torch")
+        outs[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for a, b in zip(outs["auto"], outs["torch"], strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert len(a.outputs[0].logprobs) == len(b.outputs[0].logprobs) == 12
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             for tok in x:
                 assert abs(x[tok].logprob - y[tok].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 1}])
+def test_decode_steps_take_the_cpu_fast_path(spec, monkeypatch):
+    # Decode steps (and verification and MTP steps) on the CPU backend run whole through decode.run_blocks and
+    # the MTP layer through decode.mtp_inputs: if the CPU backend stopped taking them (decoding 2-3x slower,
+    # same tokens), this fails.
+    from leanserve import LLM, SamplingParams
+    from leanserve.model import decode
+
+    calls = {"blocks": 0, "mtp": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+
+        return wrapped
+
+    monkeypatch.setattr(decode, "run_blocks", counting("blocks", decode.run_blocks))
+    monkeypatch.setattr(decode, "mtp_inputs", counting("mtp", decode.mtp_inputs))
+    llm = LLM("models/dsv4-stdlib-8m", dtype="bfloat16", max_model_len=64, load_progress=False,
+              speculative_config=spec)  # fmt: skip
+    calls.update(blocks=0, mtp=0)  # (the warm-up's)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": list(range(3, 13))}], params)
+    assert len(out.outputs[0].token_ids) == 8
+    if spec is None:
+        assert calls == {"blocks": 7, "mtp": 0}  # every step after the 10-token prefill
+    else:  # (the verification steps: 2 tokens each when the draft is accepted; the MTP layer after each step)
+        assert calls["blocks"] >= 3 and calls["mtp"] >= 3
 
 
 def test_threaded_kernels_match_one_thread():

@@ -316,6 +316,7 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKENDS = ("auto", "torch", "cpu")  # see model/backend.py: "auto" takes the CPU kernels where they run
 
 
 SPEC_METHODS = ("mtp", "ngram", "draft_model")
@@ -409,6 +410,7 @@ class EngineConfig:
     # Layers per stage, first to last; None splits evenly (the remainder on the earliest stages).
     pipeline_layer_counts: tuple[int, ...] | None = None
     speculative_config: SpeculativeConfig | None = None
+    backend: str = "auto"  # which statement of the model's math each stage runs (model/backend.py)
 
     def __post_init__(self) -> None:
         pp = self.pipeline_parallel_size
@@ -419,6 +421,8 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -30,6 +30,7 @@ class LLM:
         pipeline_parallel_size: int = 1,
         pipeline_layer_counts: Sequence[int] | None = None,
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
+        backend: str = "auto",
     ) -> None:
         """pipeline_parallel_size N > 1 runs the model as N stage processes (this one is stage 0; the others
         are spawned here, or are the other ranks under torchrun); pipeline_layer_counts overrides the even
@@ -45,6 +46,7 @@ class LLM:
             pipeline_parallel_size=pipeline_parallel_size,
             pipeline_layer_counts=tuple(pipeline_layer_counts) if pipeline_layer_counts is not None else None,
             speculative_config=speculative_config,
+            backend=backend,
         )
         self.engine = LLMEngine(config, progress=load_progress)
 

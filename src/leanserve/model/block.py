@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from leanserve.config import ModelConfig
-from leanserve.model.attention import Attention, Rope
+from leanserve.model.attention import Attention, AttentionWeights, Rope
+from leanserve.model.backend import UsesBackend
 from leanserve.model.batch import ForwardBatch
 from leanserve.model.cache import LayerCache
-from leanserve.model.hyper import hc_post, hc_pre
+from leanserve.model.hyper import MixWeights
 from leanserve.model.layers import RMSNorm, fp32_param
-from leanserve.model.moe import MoE
+from leanserve.model.moe import MoE, MoEWeights
 
 
-class Block(nn.Module):
+@dataclass(frozen=True)
+class BlockWeights:
+    """A block's tensors, for a backend that runs blocks whole (see cpu_backend / decode.py)."""
+
+    attn_mix: MixWeights
+    attn: AttentionWeights
+    ffn_mix: MixWeights
+    moe: MoEWeights
+
+
+class Block(UsesBackend, nn.Module):
     def __init__(self, cfg: ModelConfig, layer_type: str, mlp_type: str) -> None:
         super().__init__()
         self.layer_type = layer_type
@@ -29,17 +42,20 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_base", fp32_param(mix))
             self.register_parameter(f"hc_{site}_scale", fp32_param(3))
 
-    def _pre(self, streams: torch.Tensor, site: str):
-        """(the normalised input of the attention or MoE, post, comb)"""
+    def mix(self, site: str) -> MixWeights:
+        """The mHC weights before the attention ("attn") or the MoE ("ffn"), with that block input's norm."""
         fn, base, scale = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
         norm = self.attn_norm if site == "attn" else self.ffn_norm
-        return hc_pre(streams, fn, base, scale, self.norm_eps, self.hc_eps, self.sinkhorn_iters, norm.weight)
+        return MixWeights(fn, base, scale, norm.weight, self.norm_eps, self.hc_eps, self.sinkhorn_iters)
+
+    def weights(self) -> BlockWeights:
+        return BlockWeights(self.mix("attn"), self.attn.weights(), self.mix("ffn"), self.ffn.weights())
 
     def forward(
         self, streams: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes: dict[str, Rope]
     ) -> torch.Tensor:
         # streams: [T, hc_mult, hidden]
-        x, post, comb = self._pre(streams, "attn")
-        streams = hc_post(self.attn(x, fb, cache, ropes), streams, post, comb)
-        x, post, comb = self._pre(streams, "ffn")
-        return hc_post(self.ffn(x, fb.input_ids), streams, post, comb)
+        x, post, comb = self.ops.hc_pre(streams, self.mix("attn"))
+        streams = self.ops.hc_post(self.attn(x, fb, cache, ropes), streams, post, comb)
+        x, post, comb = self.ops.hc_pre(streams, self.mix("ffn"))
+        return self.ops.hc_post(self.ffn(x, fb.input_ids), streams, post, comb)

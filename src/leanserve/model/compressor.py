@@ -13,12 +13,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanserve.model import cpu_kernels
+from dataclasses import dataclass
+
+from leanserve.model.backend import UsesBackend
 from leanserve.model.batch import AttnGroup, CompressMeta
-from leanserve.model.layers import Linear, RMSNorm, apply_rope, fp32_param
+from leanserve.model.layers import Linear, RMSNorm, fp32_param
 
 
-class Compressor(nn.Module):
+@dataclass(frozen=True)
+class CompressorWeights:
+    """What a backend that runs a compressor step whole needs besides its projections (wkv, wgate: the attention
+    computes those with its other input projections)."""
+
+    ape: torch.Tensor  # [ratio, width] float32: per-slot gate bias
+    norm_weight: torch.Tensor  # [dim]
+    eps: float
+    overlap: bool  # CSA (overlapping windows, width 2 * dim) or HCA
+
+
+class Compressor(UsesBackend, nn.Module):
     def __init__(self, hidden_size: int, dim: int, ratio: int, overlap: bool, eps: float) -> None:
         super().__init__()
         self.dim, self.ratio, self.overlap = dim, ratio, overlap
@@ -40,13 +53,11 @@ class Compressor(nn.Module):
     ) -> None:
         """Writes the entries of the windows that close this step into `rows`, then stores this step's
         projections in the rings. (The attention computes the projections with its other ones.)"""
+        self.ops.compress(self, kv, gate, meta, kv_ring, gate_ring, rows, row_rope)
+
+    def step_torch(self, kv, gate, meta: CompressMeta, kv_ring, gate_ring, rows, row_rope) -> None:
         width = kv.shape[-1]
         kv_flat, gate_flat = kv_ring.view(-1, width), gate_ring.view(-1, width)
-        if cpu_kernels.fast(kv, gate, kv_ring, gate_ring, rows):
-            angles = torch.view_as_real(row_rope.contiguous()).numpy()  # [NW, R/2, 2]
-            rings = kv_flat.numpy(), gate_flat.numpy(), rows.view(-1, self.dim).numpy()
-            self.kernel(kv.numpy(), gate.numpy(), meta.arrays(), *rings, angles, meta.write_first)
-            return
         if meta.write_first:
             self._store(kv, gate, kv_flat, gate_flat, meta)
         if meta.src.shape[0]:
@@ -65,26 +76,13 @@ class Compressor(nn.Module):
             kv_src = kv_src.masked_fill(~meta.src_valid[..., None], 0.0)
             weights = gate_src.softmax(dim=1, dtype=torch.float32).to(kv_src.dtype)
             entries = self.norm((kv_src * weights).sum(dim=1))  # [NW, dim]
-            entries = apply_rope(entries, row_rope)
+            entries = self.ops.apply_rope(entries, row_rope)
             rows.view(-1, self.dim).index_copy_(0, meta.row_dst, entries.to(rows.dtype))
         if not meta.write_first:
             self._store(kv, gate, kv_flat, gate_flat, meta)
 
-    def kernel(self, kv, gate, meta_arrays, kv_ring, gate_ring, rows, angles, write_first: bool, params=None) -> None:
-        """The step as one compiled call on numpy arrays: kv, gate [T, width]; meta_arrays from
-        CompressMeta.arrays(); the rings [slots * B, width]; rows [slots * max_rows, dim]; angles [NW, R/2, 2];
-        `params` from kernel_params() (made here if not given)."""
-        write_src, write_dst, src, src_valid, row_dst = meta_arrays
-        ape, overlap, norm_w, eps = params or self.kernel_params()
-        cpu_kernels.compress(
-            src.shape[0], kv, gate, write_src, write_dst, kv_ring, gate_ring, write_first, src, src_valid, ape,
-            overlap, norm_w, eps, angles, rows, row_dst,
-        )  # fmt: skip
-
-    def kernel_params(self) -> tuple:
-        """The kernel's fixed arguments: (ape, overlap, norm weight, norm eps)."""
-        ape, norm_w = cpu_kernels.numpy_views(self, self.ape, self.norm.weight)
-        return ape, self.overlap, norm_w, self.norm.eps
+    def weights(self) -> CompressorWeights:
+        return CompressorWeights(self.ape, self.norm.weight, self.norm.eps, self.overlap)
 
     @staticmethod
     def _store(kv: torch.Tensor, gate: torch.Tensor, kv_flat: torch.Tensor, gate_flat: torch.Tensor, meta) -> None:
@@ -93,7 +91,7 @@ class Compressor(nn.Module):
         gate_flat.index_copy_(0, dst, gate[src].to(gate_flat.dtype))
 
 
-class Indexer(nn.Module):
+class Indexer(UsesBackend, nn.Module):
     """Scores compressed entries per query, sum_h w_h * ReLU(q_h . k), and keeps the top `index_topk`."""
 
     def __init__(
@@ -117,7 +115,7 @@ class Indexer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token: RoPE'd indexer queries [T, H, d] and head weights [T, H] (float32), from the attention's
         q_residual and weights_proj(x)."""
-        q = apply_rope(self.wq_b(q_residual).view(-1, self.n_heads, self.head_dim), rope)
+        q = self.ops.apply_rope(self.wq_b(q_residual).view(-1, self.n_heads, self.head_dim), rope)
         return q.float(), head_weights.float() * self.n_heads**-0.5
 
     def select(

@@ -1,10 +1,10 @@
 """Small CPU kernels compiled with numba, for float32 math on small tensors where each torch op would cost
 more in dispatch than in arithmetic, and for elementwise chains that torch would run as many passes over
-memory. Each kernel has a torch reference next to its caller (used for other dtypes and devices, and for
-autograd); tests/test_kernels.py compares the two.
+memory. Each kernel's math has a torch statement too (the torch
+backend's, used for other dtypes and devices, and for autograd); tests/test_kernels.py compares the two.
 
-Kernels take numpy views of contiguous float32 CPU tensors and write into an output array; `fast(...)`
-says whether the tensors qualify.
+Kernels take numpy views of contiguous float32 CPU tensors and write into an output array; the CPU backend
+(cpu_backend.py) says when they apply, and decode.py calls them on numpy arrays.
 """
 
 from __future__ import annotations
@@ -133,35 +133,18 @@ _probe = _jit(_probe_fn, parallel=True)
 
 
 _enabled = numba is not None
-_F32 = torch.float32
 
 
 @contextlib.contextmanager
 def disabled():
-    """Runs the torch path everywhere (the reference the tests compare the kernels with)."""
+    """As if numba were missing: models built meanwhile get the torch backend, and step metadata the general
+    builder (the references the tests compare with)."""
     global _enabled
     before, _enabled = _enabled, False
     try:
         yield
     finally:
         _enabled = before
-
-
-def fast(*tensors: torch.Tensor | None, strided: tuple[torch.Tensor, ...] = (), weights=()) -> bool:
-    """True when the kernels can take these tensors (None ones are absent): numba present, float32 CPU, no
-    autograd, and contiguous (but for those in `strided`); `weights` may also be bfloat16."""
-    if not _enabled:
-        return False
-    for t in tensors:
-        if t is not None and (t.dtype is not _F32 or not t.is_cpu or t.requires_grad or not t.is_contiguous()):
-            return False
-    for t in weights:
-        if t.dtype not in _WEIGHT_DTYPES or not t.is_cpu or t.requires_grad or not t.is_contiguous():
-            return False
-    return not any(t.dtype is not _F32 or not t.is_cpu or t.requires_grad for t in strided)
-
-
-_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def available() -> bool:
@@ -173,18 +156,6 @@ def weight_np(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a tensor for the kernels; bfloat16 (which numpy lacks) as its raw uint16 bits."""
     t = t.detach()
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
-
-
-def numpy_views(owner: object, *tensors: torch.Tensor, key: str = "") -> tuple[np.ndarray, ...]:
-    """Numpy views of an owner's persistent tensors (weights), kept on the owner under `key` and made again
-    only when a tensor's storage changes (loading, `.data` assignment): a view costs more than some kernels
-    it feeds."""
-    ptrs = tuple([t.data_ptr() for t in tensors])
-    kept = owner.__dict__.setdefault("_numpy_views", {})
-    cached = kept.get(key)
-    if cached is None or cached[0] != ptrs:
-        cached = kept[key] = (ptrs, tuple([weight_np(t) for t in tensors]))
-    return cached[1]
 
 
 def np_(t: torch.Tensor | None) -> np.ndarray:
@@ -269,25 +240,6 @@ def _mhc_lanes(m, scale, base, hc, hc_eps, iters):  # pragma: no cover - compile
 
 
 _mhc_lanes_jit = _jit(_mhc_lanes)
-
-
-def _mhc_weights(mixes, scale, base, hc, hc_eps, iters, out):  # pragma: no cover - compiled
-    # mixes [T, (2+hc)*hc] float32 -> out [T, (2+hc)*hc], LANES tokens at a time
-    n, width = mixes.shape
-    for blk in prange((n + LANES - 1) // LANES):
-        t0 = blk * LANES
-        lanes = min(LANES, n - t0)
-        m = np.zeros((width, LANES), dtype=np.float32)
-        for a in range(lanes):
-            for j in range(width):
-                m[j, a] = mixes[t0 + a, j]
-        _mhc_lanes_jit(m, scale, base, hc, hc_eps, iters)
-        for a in range(lanes):
-            for j in range(width):
-                out[t0 + a, j] = m[j, a]
-
-
-mhc_weights = Threaded(_mhc_weights, min_work=2 * LANES)
 
 
 def _hc_pre(

@@ -1,43 +1,122 @@
-"""The trunk's blocks for a decode-sized step on the CPU, as numpy arrays through the compiled kernels.
+"""The CPU backend's numpy statement of the model: each piece as a compiled kernel call on numpy arrays
+(`*_arrays`, used by the CPU backend's ops too), and a decode-sized step's blocks from the embedding to the last
+block without a torch tensor per op.
 
-The torch forward (block.py, attention.py, moe.py) calls the same kernels on decode steps, but it wraps each
-in torch tensors: an output tensor, its numpy view, the inputs' views, each about a microsecond, dozens of them
-per layer. At batch 1 that orchestration costs more than the arithmetic. Here a step runs on numpy arrays from
-the embedding to the last block: each block's weights' and caches' views are made once and kept (`_Plan`), the
-step's metadata is converted once for all layers, intermediate outputs are plain numpy arrays. The MTP layer's
-step runs the same way (its input projections, its block, its hc_head and norm); the head stays a torch call.
-`eligible` says which steps take this path; tests/test_kernels.py checks it against the torch path.
+Wrapping each kernel in torch tensors (an output tensor, its numpy view, the inputs' views, about a microsecond
+each, dozens per layer) costs more than the arithmetic at batch 1. Here each block's weights (its typed
+`BlockWeights`, as numpy views) and its caches' views are made once and kept in a `Plan`, the step's metadata is
+converted once for all layers (`Step`), and intermediate outputs are plain numpy arrays. The MTP layer's step runs
+the same way (its input projections, its block, its hc_head and norm); the head stays a torch call.
+tests/test_kernels.py checks this path against the torch backend.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from leanserve.model import cpu_kernels as ck
-from leanserve.model.attention import NO_NEW_KV, attend_arrays, cache_rows
+from leanserve.model.attention import AttentionWeights
 from leanserve.model.batch import ForwardBatch
+from leanserve.model.block import BlockWeights
 from leanserve.model.cache import LayerCache
-from leanserve.model.hyper import hc_post_arrays, hc_pre_arrays
+from leanserve.model.compressor import CompressorWeights
+from leanserve.model.hyper import MixWeights
+from leanserve.model.moe import MoEWeights
 
-MOST_TOKENS = 64  # steps up to this many tokens (decode, speculative verification)
-
-
-def eligible(fb: ForwardBatch, act_dtype: torch.dtype) -> bool:
-    """A step of short chunks whose rows go into the rings first (one attention group), on the CPU in float32
-    with the kernels available."""
-    return (
-        ck.available()
-        and act_dtype == torch.float32
-        and fb.num_tokens <= MOST_TOKENS
-        and len(fb.groups) == 1
-        and fb.window_write_first
-        and all(m.write_first for m in fb.compress.values())
-        and fb.input_ids.is_cpu
-    )
+NO_ROWS = np.empty((1, 0, 1), dtype=np.float32)
+NO_CHOICE = np.empty((0, 0, 0), dtype=np.bool_)
+NO_NEW_KV = np.empty((0, 1), dtype=np.float32)  # (a step whose rows went into the ring first)
+NO_TABLE = np.empty((0, 0), dtype=np.int64)
+SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
-class _Step:
+# --- the pieces on numpy arrays (weights: numpy views of the typed weights) --------------------------------
+def rms_norm_arrays(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    out = np.empty_like(x)
+    ck.rms_norm(x.shape[0], x, weight, eps, out)
+    return out
+
+
+def rope_arrays(x: np.ndarray, angles: np.ndarray, eps: float, normalize: bool, weight, inverse=False) -> np.ndarray:
+    """(RMSNorm per head, times `weight` unless empty, then) RoPE of x [T, H, D] by angles [T, R/2, 2]."""
+    out = np.empty_like(x)
+    ck.norm_rope(x.shape[0], x, weight, eps, normalize, angles, inverse, out)
+    return out
+
+
+def hc_pre_arrays(streams: np.ndarray, w: MixWeights, projected=None) -> tuple[np.ndarray, np.ndarray]:
+    """hc_pre (or hc_head, sinkhorn_iters 0): (normalised block input [T, D], pre | post | comb weights [T, M]).
+    `projected`, if given, is flat streams @ fn^T [T, M], computed by the caller."""
+    n = streams.shape[0]
+    x = np.empty((n, streams.shape[2]), dtype=np.float32)
+    weights = np.empty((n, w.fn.shape[0]), dtype=np.float32)
+    projected = ck.EMPTY_2D if projected is None else projected
+    ck.hc_pre(n, streams, w.fn, projected, w.scale, w.base, w.hc_eps, w.sinkhorn_iters, w.norm_eps, w.norm_weight, x,
+              weights)  # fmt: skip
+    return x, weights
+
+
+def hc_post_arrays(block_out, streams, post, comb) -> np.ndarray:
+    """The new streams [T, hc, D]."""
+    out = np.empty_like(streams)
+    ck.hc_post(streams.shape[0], block_out, streams, post, comb, out)
+    return out
+
+
+def compress_arrays(kv, gate, meta_arrays, kv_ring, gate_ring, rows, angles, write_first: bool, w: CompressorWeights):
+    """One compressor step: kv, gate [T, width]; meta_arrays from CompressMeta.arrays(); the rings [slots * B,
+    width]; rows [slots * max_rows, dim]; angles [NW, R/2, 2]."""
+    write_src, write_dst, src, src_valid, row_dst = meta_arrays
+    ck.compress(
+        src.shape[0], kv, gate, write_src, write_dst, kv_ring, gate_ring, write_first, src, src_valid, w.ape,
+        w.overlap, w.norm_weight, w.eps, angles, rows, row_dst,
+    )  # fmt: skip
+
+
+def attend_arrays(w: AttentionWeights, q, ring, new_kv, group, most: int, visible, rows, idx_rows, index_queries,
+                  angles, out) -> None:  # fmt: skip
+    """The attention kernels for one group of query blocks (see cpu_kernels.attend): q, out [T, H, D]; the window
+    ring and this step's new rows (or NO_NEW_KV); group from AttnGroup.arrays(); visible [NB, Bq] the compressed
+    rows each query may see, `most` their maximum; the layer's compressed and indexer rows (cache_rows);
+    index_queries the indexer's (queries, head weights), or None when it does not choose."""
+    q_rows, q_valid, key_index, key_mask, block_slot = group
+    chosen = NO_CHOICE
+    idx = w.indexer
+    if index_queries is not None and most > idx.topk:
+        chosen = np.empty((*q_rows.shape, most), dtype=np.bool_)
+        ck.index_select(
+            q_rows.shape[0], *index_queries, q_rows, q_valid, block_slot, idx_rows, visible, idx.topk,
+            idx.head_dim**-0.5, chosen,
+        )  # fmt: skip
+    ck.attend(
+        q_rows.shape[0], q, ring, new_kv, q_rows, q_valid, key_index, key_mask, block_slot, rows, visible, chosen,
+        w.sink, w.head_dim**-0.5, angles, out,
+    )  # fmt: skip
+
+
+def moe_arrays(x: np.ndarray, input_ids: np.ndarray, w: MoEWeights) -> np.ndarray:
+    """The whole MoE as one compiled call: x, out [T, hidden] float32."""
+    out = np.empty_like(x)
+    bias = ck.EMPTY if w.bias is None else w.bias
+    table = NO_TABLE if w.tid2eid is None else w.tid2eid
+    ck.moe_tokens(
+        x.shape[0], x, input_ids, w.gate, bias, table, w.top_k, SCORING[w.scoring], w.route_scale, w.w13, w.w2,
+        w.shared_w1, w.shared_w3, w.shared_w2, w.limit, out,
+    )  # fmt: skip
+    return out
+
+
+def cache_rows(cache: LayerCache) -> tuple[np.ndarray, np.ndarray]:
+    """Numpy views of a layer's compressed rows and indexer rows (NO_ROWS where the layer has none)."""
+    rows = cache.comp_rows.numpy() if cache.comp_rows is not None else NO_ROWS
+    return rows, cache.idx_rows.numpy() if cache.idx_rows is not None else NO_ROWS
+
+
+# --- a decode-sized step ------------------------------------------------------------------------------------
+class Step:
     """The step's metadata as numpy arrays, converted once for all layers."""
 
     def __init__(self, fb: ForwardBatch, ropes: dict[str, torch.Tensor]) -> None:
@@ -52,148 +131,99 @@ class _Step:
         self.compress = {kind: m.arrays() for kind, m in fb.compress.items()}
 
 
-def run_blocks(model, fb: ForwardBatch, caches: dict[str, LayerCache], ropes, streams: torch.Tensor | None):
-    """The stage's blocks over `fb` (see `eligible`): embeds on a first stage, else starts from `streams`;
-    returns the output streams [T, hc, hidden] as a torch tensor (sharing the numpy array's memory)."""
-    step = _Step(fb, ropes)
-    if streams is None:
-        table = ck.numpy_views(model.embed, model.embed.weight)[0]
-        rows = table[step.ids]
-        x = rows if rows.dtype == np.float32 else (rows.astype(np.uint32) << 16).view(np.float32)
-        s = np.empty((x.shape[0], model.cfg.hc_mult, x.shape[1]), dtype=np.float32)
-        s[:] = x[:, None, :]
-    else:
-        s = streams.numpy()
-    for key, block in model.layers.items():
-        s = _block(_plan(block, caches[key]), s, step)
-    return torch.from_numpy(s)
+@dataclass(frozen=True)
+class Rings:
+    """A compressor's cache views: its kv and gate rings [slots * B, width] and its rows [slots * rows, dim]."""
+
+    kv: np.ndarray
+    gate: np.ndarray
+    rows: np.ndarray
+
+    @classmethod
+    def of(cls, kv: torch.Tensor, gate: torch.Tensor, rows: torch.Tensor) -> Rings:
+        width = kv.shape[-1]
+        return cls(kv.numpy().reshape(-1, width), gate.numpy().reshape(-1, width), rows.numpy().reshape(-1, rows.shape[-1]))
 
 
-def run_mtp(mtp, streams: torch.Tensor, embedded: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes):
-    """The MTP layer over `fb` (see `eligible`), from the trunk's streams [T, hc, hidden] and the next tokens'
-    embeddings [T, hidden] (contiguous float32): (the head's input [T, hidden], the block's output streams)."""
-    p = _plan(mtp, cache)
-    hnorm, enorm, h_proj, e_proj, eps = p.mtp_inputs
-    s = streams.numpy()
-    n, hc, dim = s.shape
-    h = np.empty((n * hc, dim), dtype=np.float32)
-    ck.rms_norm(n * hc, s.reshape(n * hc, dim), hnorm, eps, h)
-    e = np.empty((n, dim), dtype=np.float32)
-    ck.rms_norm(n, embedded.numpy(), enorm, eps, e)
-    x = ck.matmuls(h, (h_proj,))[0].reshape(n, hc, dim) + ck.matmuls(e, (e_proj,))[0][:, None, :]
-    out = _block(p, x, _Step(fb, ropes))
-    return torch.from_numpy(hc_pre_arrays(out, *p.mtp_head)[0]), torch.from_numpy(out)
+class Plan:
+    """One block's weights (numpy views of its BlockWeights) and caches, made once per (block, cache) by the CPU
+    backend and made again only when a weight's storage changes (loading, `.data` assignment)."""
 
-
-class _Plan:
-    """A block's weights and caches as numpy views, with its constants: made once per (block, cache) and kept
-    on the block, made again only when a weight's storage changes (loading, `.data` assignment)."""
-
-    def __init__(self, b, cache: LayerCache) -> None:
-        self.cache = cache  # (kept: the plans are looked up by the cache's id)
-        self.tensors = [*b.parameters(), *b.buffers()]
-        self.ptrs = [t.data_ptr() for t in self.tensors]
-        self.hc = b.hc_attn_fn.shape[1] // b.attn_norm.weight.shape[0]  # streams: fn is [M, hc * hidden]
-        self.mhc = tuple(
-            (*ck.numpy_views(norm, fn, scale, base, norm.weight, key="mhc"), b.norm_eps, b.hc_eps, b.sinkhorn_iters)
-            for norm, fn, scale, base in (
-                (b.attn_norm, b.hc_attn_fn, b.hc_attn_scale, b.hc_attn_base),
-                (b.ffn_norm, b.hc_ffn_fn, b.hc_ffn_scale, b.hc_ffn_base),
-            )
-        )
-        a = b.attn
-        self.heads, self.dim, self.eps = a.n_heads, a.head_dim, a.eps
-        self.rope_kind, self.kind = a.rope_kind, a.layer_type
-        self.inputs = ck.numpy_views(a, *(m.weight for m in a._inputs))
-        weights = a.q_norm.weight, a.wq_b.weight, a.norm.weight, a.wo_a.weight, a.wo_b.weight
-        self.q_norm, self.wq_b, self.kv_norm, wo_a, self.wo_b = ck.numpy_views(a, *weights, key="decode")
-        self.q_eps = a.q_norm.eps
-        self.wo_a = wo_a.reshape(a.o_groups, -1, a.n_heads * a.head_dim // a.o_groups)
-        self.attend = a.attend_params()
-        self.ring = cache.window_kv.numpy().reshape(-1, a.head_dim)
+    def __init__(self, w: BlockWeights, tensors: list[torch.Tensor], cache: LayerCache) -> None:
+        self.w = w
+        self.cache = cache  # (kept: plans are looked up by the cache's id)
+        self.tensors, self.ptrs = tensors, [t.data_ptr() for t in tensors]
+        self.hc = w.attn_mix.fn.shape[1] // w.attn_mix.norm_weight.shape[0]  # streams: fn is [M, hc * hidden]
+        self.ring = cache.window_kv.numpy().reshape(-1, w.attn.head_dim)
         self.rows = cache_rows(cache)
-        self.compressor = self.indexer = None
-        if a.compressor is not None:
-            c = a.compressor
-            self.compressor = c, c.kernel_params(), _rings(cache.comp_kv, cache.comp_gate, cache.comp_rows)
-        if a.indexer is not None:
-            idx = a.indexer
-            rings = _rings(cache.idx_kv, cache.idx_gate, cache.idx_rows)
-            (wq_b,) = ck.numpy_views(idx, idx.wq_b.weight, key="decode")
-            c = idx.compressor
-            self.indexer = c, c.kernel_params(), rings, wq_b, idx.n_heads, idx.head_dim, idx.topk
-        self.moe = b.ffn.kernel_params()
-        self.ffn = b.ffn
-        if hasattr(b, "e_proj"):  # the MTP layer: its input projections, and hc_head + norm before the head
-            inputs = b.hnorm.weight, b.enorm.weight, b.h_proj.weight, b.e_proj.weight
-            self.mtp_inputs = (*ck.numpy_views(b, *inputs, key="mtp"), b.hnorm.eps)
-            head = b.hc_head_fn, b.hc_head_scale, b.hc_head_base, b.norm.weight
-            self.mtp_head = (*ck.numpy_views(b, *head, key="mtp_head"), b.norm_eps, b.hc_eps, 0)
+        self.comp_rings = Rings.of(cache.comp_kv, cache.comp_gate, cache.comp_rows) if w.attn.compressor else None
+        self.idx_rings = Rings.of(cache.idx_kv, cache.idx_gate, cache.idx_rows) if w.attn.indexer else None
 
     def current(self) -> bool:
         return [t.data_ptr() for t in self.tensors] == self.ptrs
 
 
-def _rings(kv: torch.Tensor, gate: torch.Tensor, rows: torch.Tensor) -> tuple[np.ndarray, ...]:
-    width = kv.shape[-1]
-    return kv.numpy().reshape(-1, width), gate.numpy().reshape(-1, width), rows.numpy().reshape(-1, rows.shape[-1])
+def run_blocks(embed: np.ndarray | None, plans: list[Plan], hc: int, step: Step, streams: np.ndarray | None):
+    """The blocks of `plans` over a step: from the embedding table's rows of the step's tokens (a first stage,
+    `embed` the table's numpy view, float32 or bfloat16 bits) or from `streams` [T, hc, hidden]."""
+    if streams is None:
+        rows = embed[step.ids]
+        x = rows if rows.dtype == np.float32 else (rows.astype(np.uint32) << 16).view(np.float32)
+        streams = np.empty((x.shape[0], hc, x.shape[1]), dtype=np.float32)
+        streams[:] = x[:, None, :]
+    for plan in plans:
+        streams = block_arrays(plan, streams, step)
+    return streams
 
 
-def _plan(block, cache: LayerCache) -> _Plan:
-    plans = block.__dict__.setdefault("_decode_plans", {})
-    plan = plans.get(id(cache))
-    if plan is None or not plan.current():
-        plan = plans[id(cache)] = _Plan(block, cache)
-    return plan
+def mtp_inputs(w, streams: np.ndarray, embedded: np.ndarray) -> np.ndarray:
+    """The MTP block's input streams: h_proj(hnorm(streams)) + e_proj(enorm(embedded)), w the MTPWeights views."""
+    n, hc, dim = streams.shape
+    h = rms_norm_arrays(streams.reshape(n * hc, dim), w.hnorm, w.eps)
+    e = rms_norm_arrays(embedded, w.enorm, w.eps)
+    return ck.matmuls(h, (w.h_proj,))[0].reshape(n, hc, dim) + ck.matmuls(e, (w.e_proj,))[0][:, None, :]
 
 
-def _block(p: _Plan, s: np.ndarray, step: _Step) -> np.ndarray:
+def block_arrays(p: Plan, s: np.ndarray, step: Step) -> np.ndarray:
     hc = p.hc
-    for mhc, sub in zip(p.mhc, (_attention, _moe), strict=True):
-        x, weights = hc_pre_arrays(s, *mhc)
+    for mix, sub in ((p.w.attn_mix, _attention), (p.w.ffn_mix, _moe)):
+        x, weights = hc_pre_arrays(s, mix)
         out = sub(p, x, step)
         s = hc_post_arrays(out, s, weights[:, hc : 2 * hc], weights[:, 2 * hc :].reshape(-1, hc, hc))
     return s
 
 
-def _rope(x: np.ndarray, angles: np.ndarray, eps: float, normalize: bool, weight: np.ndarray) -> np.ndarray:
-    """(RMSNorm per head, then) RoPE: x [T, H, D]."""
-    out = np.empty_like(x)
-    ck.norm_rope(x.shape[0], x, weight, eps, normalize, angles, False, out)
-    return out
-
-
-def _attention(p: _Plan, x: np.ndarray, step: _Step) -> np.ndarray:
-    n, dim = x.shape[0], p.dim
-    projected = ck.matmuls(x, p.inputs)
-    q_residual = np.empty_like(projected[0])
-    ck.rms_norm(n, projected[0], p.q_norm, p.q_eps, q_residual)
-    angles = step.angles[p.rope_kind]
-    q = _rope(ck.matmuls(q_residual, (p.wq_b,))[0].reshape(n, p.heads, dim), angles, p.eps, True, ck.EMPTY)
-    kv = _rope(projected[1].reshape(n, 1, dim), angles, p.eps, True, p.kv_norm).reshape(n, dim)
+def _attention(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
+    w = p.w.attn
+    n, dim = x.shape[0], w.head_dim
+    projected = ck.matmuls(x, w.inputs)
+    q_residual = rms_norm_arrays(projected[0], w.q_norm, w.q_eps)
+    angles = step.angles[w.rope_kind]
+    q = rope_arrays(ck.matmuls(q_residual, (w.wq_b,))[0].reshape(n, w.heads, dim), angles, w.eps, True, ck.EMPTY)
+    kv = rope_arrays(projected[1].reshape(n, 1, dim), angles, w.eps, True, w.kv_norm).reshape(n, dim)
     src, dst = step.window
     p.ring[dst] = kv[src]
     most, index_queries = 0, None
-    if p.compressor is not None:
-        meta, row_angles = step.compress[p.kind], step.angles[p.kind]
-        c, params, rings = p.compressor
-        c.kernel(projected[2], projected[3], meta, *rings, row_angles, True, params)
-        most = step.max_visible[p.kind]
-        if p.indexer is not None:
-            c, params, rings, wq_b, heads, head_dim, topk = p.indexer
-            c.kernel(projected[4], projected[5], meta, *rings, row_angles, True, params)
-            if most > topk:  # the indexer's queries (RoPE'd, no norm) and head weights
-                iq = _rope(ck.matmuls(q_residual, (wq_b,))[0].reshape(n, heads, head_dim), angles, 0.0, False, ck.EMPTY)
-                index_queries = iq, projected[6] * np.float32(heads**-0.5)
-    visible = step.visible[p.kind] if most else step.no_visible
-    out = np.empty((n, p.heads, dim), dtype=np.float32)
-    attend_arrays(p.attend, q, p.ring, NO_NEW_KV, step.group, most, visible, *p.rows, index_queries, angles, out)
-    low = np.empty((n, p.wo_a.shape[0], p.wo_a.shape[1]), dtype=np.float32)
-    ck.grouped_linear(n * p.wo_a.size, out.reshape(n, p.wo_a.shape[0], -1), p.wo_a, low)
-    return ck.matmuls(low.reshape(n, -1), (p.wo_b,))[0]
+    if w.compressor is not None:
+        meta, row_angles = step.compress[w.layer_type], step.angles[w.layer_type]
+        r = p.comp_rings
+        compress_arrays(projected[2], projected[3], meta, r.kv, r.gate, r.rows, row_angles, True, w.compressor)
+        most = step.max_visible[w.layer_type]
+        idx = w.indexer
+        if idx is not None:
+            r = p.idx_rings
+            compress_arrays(projected[4], projected[5], meta, r.kv, r.gate, r.rows, row_angles, True, idx.compressor)
+            if most > idx.topk:  # the indexer's queries (RoPE'd, no norm) and head weights
+                iq = ck.matmuls(q_residual, (idx.wq_b,))[0].reshape(n, idx.heads, idx.head_dim)
+                iq = rope_arrays(iq, angles, 0.0, False, ck.EMPTY)
+                index_queries = iq, projected[6] * np.float32(idx.heads**-0.5)
+    visible = step.visible[w.layer_type] if most else step.no_visible
+    out = np.empty((n, w.heads, dim), dtype=np.float32)
+    attend_arrays(w, q, p.ring, NO_NEW_KV, step.group, most, visible, *p.rows, index_queries, angles, out)
+    low = np.empty((n, w.wo_a.shape[0], w.wo_a.shape[1]), dtype=np.float32)
+    ck.grouped_linear(n * w.wo_a.size, out.reshape(n, w.wo_a.shape[0], -1), w.wo_a, low)
+    return ck.matmuls(low.reshape(n, -1), (w.wo_b,))[0]
 
 
-def _moe(p: _Plan, x: np.ndarray, step: _Step) -> np.ndarray:
-    out = np.empty_like(x)
-    p.ffn.kernel(x, step.ids, out, p.moe)
-    return out
+def _moe(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
+    return moe_arrays(x, step.ids, p.w.moe)

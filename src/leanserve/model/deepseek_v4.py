@@ -12,12 +12,12 @@ from torch import nn
 
 from leanserve.config import SLIDING, ModelConfig
 from leanserve.memory import KV_CACHE, ROPE, SPEC_MTP, MemoryLedger
-from leanserve.model import cpu_kernels, decode
 from leanserve.model.attention import Rope
+from leanserve.model.backend import UsesBackend, select_backend, set_backend
 from leanserve.model.batch import ForwardBatch
 from leanserve.model.block import Block
 from leanserve.model.cache import CacheGeometry, LayerCache, allocate_layer_cache
-from leanserve.model.hyper import hc_head
+from leanserve.model.hyper import MixWeights
 from leanserve.model.layers import Embedding, Linear, RMSNorm, Rotary, fp32_param
 from leanserve.model.mtp import MTPBlock
 
@@ -37,7 +37,7 @@ class StageLayout:
         return cls(0, cfg.num_hidden_layers)
 
 
-class DeepseekV4(nn.Module):
+class DeepseekV4(UsesBackend, nn.Module):
     def __init__(
         self, cfg: ModelConfig, max_positions: int, stage: StageLayout | None = None, with_mtp: bool = False
     ) -> None:
@@ -120,15 +120,7 @@ class DeepseekV4(nn.Module):
         [T, hc_mult, hidden]. Returns the streams (non-last stage) or float32 logits for the rows in
         fb.logits_index (last stage). `target_hidden`, when given, receives the pre-hc_head streams
         [T, hc_mult * hidden] (for the MTP drafter)."""
-        ropes = self.ropes(fb)
-        if decode.eligible(fb, self.act_dtype):  # decode-sized CPU steps: numpy arrays through the kernels
-            streams = decode.run_blocks(self, fb, caches, ropes, None if self.stage.is_first else streams)
-        else:
-            if self.stage.is_first:
-                x = self.embed_tokens(fb.input_ids)
-                streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-            for key, block in self.layers.items():
-                streams = block(streams, fb, caches[key], ropes)
+        streams = self.ops.run_blocks(self, fb, caches, self.ropes(fb), None if self.stage.is_first else streams)
         if not self.stage.is_last:
             return streams
         if target_hidden is not None:
@@ -137,13 +129,26 @@ class DeepseekV4(nn.Module):
             streams = streams[fb.logits_index]
         return self.logits(self.head_hidden(streams))
 
+    def blocks_torch(self, fb: ForwardBatch, caches, ropes: dict[str, Rope], streams: torch.Tensor | None):
+        """The torch statement of run_blocks: embed (first stage, `streams` None), then every block."""
+        if streams is None:
+            x = self.embed_tokens(fb.input_ids)
+            streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for key, block in self.layers.items():
+            streams = block(streams, fb, caches[key], ropes)
+        return streams
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of `ids` in the activation dtype (where activations start)."""
         return self.embed(ids).to(self.act_dtype or self.embed.weight.dtype)
 
+    def head_mix(self) -> MixWeights:
+        """hc_head's weights and the final norm (last stage)."""
+        fn, base, scale, eps = self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.rms_norm_eps
+        return MixWeights(fn, base, scale, self.norm.weight, eps, self.cfg.hc_eps, 0)
+
     def head_hidden(self, streams: torch.Tensor) -> torch.Tensor:
-        eps, hc_eps = self.cfg.rms_norm_eps, self.cfg.hc_eps
-        return hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, eps, hc_eps, self.norm.weight)
+        return self.ops.hc_head(streams, self.head_mix())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()
@@ -163,16 +168,6 @@ class DeepseekV4(nn.Module):
         return self.logits(hidden), out
 
 
-def activation_dtype(weight_dtype: torch.dtype, device: str | torch.device) -> torch.dtype:
-    """The dtype activations and caches use with weights of `weight_dtype`. On the CPU with the compiled kernels,
-    bfloat16 weights meet float32 activations: the kernels widen each weight row as they read it, so a step
-    moves half the weight bytes and computes in float32 (which is what a CPU without bfloat16 arithmetic does
-    anyway); torch's own bfloat16 matmuls there are several times slower. Elsewhere, the weights' dtype."""
-    if torch.device(device).type == "cpu" and weight_dtype == torch.bfloat16 and cpu_kernels.available():
-        return torch.float32
-    return weight_dtype
-
-
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
@@ -190,13 +185,17 @@ def build_model(
     stage: StageLayout | None = None,
     with_mtp: bool = False,
     device: str = "cpu",
+    backend: str = "auto",
 ) -> DeepseekV4:
     """Builds on the meta device (no init cost), then allocates uninitialised storage on `device`; the
-    loader (or a random init) must fill every parameter and persistent buffer."""
+    loader (or a random init) must fill every parameter and persistent buffer. The stage's backend is chosen
+    here, once (see backend.select_backend), and sets the activations' dtype."""
+    ops = select_backend(device, dtype, backend)
     with torch.device("meta"), _default_dtype(dtype):
         model = DeepseekV4(cfg, max_positions, stage, with_mtp)
     model.to_empty(device=device)
-    model.act_dtype = activation_dtype(dtype, device)
+    set_backend(model, ops)
+    model.act_dtype = ops.activation_dtype(dtype)
     for m in model.modules():
         if isinstance(m, Rotary):
             m.reset_tables()

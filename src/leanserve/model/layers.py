@@ -1,4 +1,5 @@
-"""Small shared pieces: RMSNorm, partial interleaved RoPE (plain and YaRN)."""
+"""Small shared modules: Linear, RMSNorm and Embedding (called through the stage's backend), RoPE tables (plain
+and YaRN)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanserve.config import RopeConfig
-from leanserve.model import cpu_kernels
+from leanserve.model.backend import UsesBackend
 
 
 def fp32_param(*shape: int) -> nn.Parameter:
@@ -17,49 +18,11 @@ def fp32_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, dtype=torch.float32))
 
 
-# Up to this many rows, a linear layer runs as a compiled loop on the CPU: at these sizes torch's matmul
-# costs several times the arithmetic in call and packing overhead (decode steps).
-FEW_ROWS = 64
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, owner: nn.Module | None = None) -> torch.Tensor:
-    """x [..., in] @ weight[out, in]^T in x's dtype (a bfloat16 weight meets float32 activations on the CPU, see
-    deepseek_v4.activation_dtype); `owner`, if given, keeps the weight's numpy view for the kernel."""
-    return linears(x, (weight,), owner)[0]
-
-
-def linears(
-    x: torch.Tensor, weights: tuple[torch.Tensor, ...], owner: nn.Module | None = None
-) -> tuple[torch.Tensor, ...]:
-    """linear(x, w) for each of `weights` (one dtype), in one compiled call on the kernels' path (the
-    projections that read the same input). `owner`, if given, keeps the weights' numpy views."""
-    rows = x.numel() // x.shape[-1]
-    one_dtype = len(weights) == 1 or all(w.dtype == weights[0].dtype for w in weights)
-    if rows <= FEW_ROWS and one_dtype and cpu_kernels.fast(x, weights=weights):
-        if owner is not None:
-            views = cpu_kernels.numpy_views(owner, *weights)
-        else:
-            views = tuple([cpu_kernels.weight_np(w) for w in weights])
-        outs = cpu_kernels.matmuls(x.view(rows, x.shape[-1]).numpy(), views)
-        return tuple([torch.from_numpy(o).view(*x.shape[:-1], o.shape[1]) for o in outs])
-    return tuple([F.linear(x, w.to(x.dtype)) for w in weights])
-
-
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, G, in], weight [G, out, in] -> [T, G, out]: group g of every row times weight[g]^T."""
-    if x.shape[0] <= FEW_ROWS and cpu_kernels.fast(x, weights=(weight,)):
-        out = x.new_empty(x.shape[0], x.shape[1], weight.shape[1])
-        work = x.shape[0] * weight.numel()
-        cpu_kernels.grouped_linear(work, x.numpy(), cpu_kernels.weight_np(weight), out.numpy())
-        return out
-    return torch.einsum("tgi,goi->tgo", x, weight.to(x.dtype))
-
-
-class Linear(nn.Linear):
-    """nn.Linear (no bias here) through `linear`, which keeps the weight's numpy view on the module."""
+class Linear(UsesBackend, nn.Linear):
+    """nn.Linear (no bias here) through the stage's backend."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self)
+        return self.ops.linears(x, (self.weight,))[0]
 
 
 class Embedding(nn.Module):
@@ -74,7 +37,7 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(UsesBackend, nn.Module):
     # The weight stays float32 (as in DeepSeek's release); the product is cast back once.
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -82,17 +45,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.eps, self.weight)
-
-
-def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm over the last dim (times `weight` if given), computed in float32, returned in x's dtype."""
-    if cpu_kernels.fast(x, weight):
-        flat = x.view(x.numel() // x.shape[-1], x.shape[-1])
-        out = torch.empty_like(flat)
-        cpu_kernels.rms_norm(flat.shape[0], flat.numpy(), cpu_kernels.np_(weight), eps, out.numpy())
-        return out.view(x.shape)
-    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+        return self.ops.rms_norm(x, self.eps, self.weight)
 
 
 def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
@@ -138,39 +91,3 @@ class Rotary(nn.Module):
 
     def table(self, positions: torch.Tensor) -> torch.Tensor:
         return self.freqs[positions]  # [..., rope_dim / 2] complex
-
-
-def norm_rope(x: torch.Tensor, freqs: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """apply_rope(rms_norm(x, eps, weight), freqs), in one pass on the CPU kernels' path."""
-    if cpu_kernels.fast(x, weight):
-        return _rope_kernel(x, freqs, False, True, eps, weight)
-    return apply_rope(rms_norm(x, eps, weight), freqs)
-
-
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """x: [N, ..., D]; freqs from Rotary.table, [N, rope_dim/2], broadcast over the middle dims. Rotates the
-    trailing rope_dim channels in interleaved pairs (as complex numbers); `inverse` rotates by -angle."""
-    if cpu_kernels.fast(x):
-        return _rope_kernel(x, freqs, inverse, False, 0.0, None)
-    rope_dim = 2 * freqs.shape[-1]
-    freqs = freqs.view((freqs.shape[0],) + (1,) * (x.dim() - 2) + (-1,))
-    if inverse:
-        freqs = freqs.conj()
-    out = x.clone()
-    rope = out[..., -rope_dim:]
-    if x.dtype == torch.float32:
-        torch.view_as_complex(rope.unflatten(-1, (-1, 2))).mul_(freqs)
-    else:  # rotate in float32, store back in x's dtype
-        rotated = torch.view_as_complex(rope.float().unflatten(-1, (-1, 2))) * freqs
-        rope.copy_(torch.view_as_real(rotated).flatten(-2))
-    return out
-
-
-def _rope_kernel(x, freqs, inverse: bool, normalize: bool, eps: float, weight) -> torch.Tensor:
-    flat = x.view(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])  # [N, heads, D]
-    out = torch.empty_like(flat)
-    angles = torch.view_as_real(freqs.contiguous()).numpy()  # [N, rope_dim/2, 2]
-    cpu_kernels.norm_rope(
-        flat.shape[0], flat.numpy(), cpu_kernels.np_(weight), eps, normalize, angles, inverse, out.numpy()
-    )
-    return out.view(x.shape)

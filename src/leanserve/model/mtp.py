@@ -4,16 +4,31 @@ top-k MoE), norms, projections and hc_head."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from leanserve.config import MOE, SLIDING, ModelConfig
-from leanserve.model import decode
 from leanserve.model.attention import Rope
 from leanserve.model.batch import ForwardBatch
-from leanserve.model.block import Block
+from leanserve.model.block import Block, BlockWeights
 from leanserve.model.cache import LayerCache
-from leanserve.model.hyper import hc_head
+from leanserve.model.hyper import MixWeights
 from leanserve.model.layers import Linear, RMSNorm, fp32_param
+
+
+@dataclass(frozen=True)
+class MTPWeights:
+    """The MTP layer's tensors, for a backend that runs it whole: its input norms and projections, its block,
+    and its hc_head with the norm before the shared head."""
+
+    hnorm: torch.Tensor
+    enorm: torch.Tensor
+    h_proj: torch.Tensor
+    e_proj: torch.Tensor
+    eps: float
+    block: BlockWeights
+    head: MixWeights
 
 
 class MTPBlock(Block):
@@ -29,6 +44,15 @@ class MTPBlock(Block):
         self.hc_head_base = fp32_param(cfg.hc_mult)
         self.hc_head_scale = fp32_param(1)
 
+    def head_mix(self) -> MixWeights:
+        """hc_head's weights and the norm before the shared head."""
+        fn, base, scale = self.hc_head_fn, self.hc_head_base, self.hc_head_scale
+        return MixWeights(fn, base, scale, self.norm.weight, self.norm_eps, self.hc_eps, 0)
+
+    def mtp_weights(self) -> MTPWeights:
+        h, e = self.hnorm, self.enorm
+        return MTPWeights(h.weight, e.weight, self.h_proj.weight, self.e_proj.weight, h.eps, self.weights(), self.head_mix())
+
     def forward(
         self,
         streams: torch.Tensor,  # [T, hc, hidden]: trunk streams at position t
@@ -38,13 +62,13 @@ class MTPBlock(Block):
         ropes: dict[str, Rope],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed hidden [T, hidden] for the shared head, output streams [T, hc, hidden])."""
-        if decode.eligible(fb, streams.dtype) and streams.is_contiguous() and embedded.is_contiguous():
-            return decode.run_mtp(self, streams, embedded, fb, cache, ropes)
+        return self.ops.run_mtp(self, streams, embedded, fb, cache, ropes)
+
+    def forward_torch(self, streams, embedded, fb: ForwardBatch, cache: LayerCache, ropes):
         x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(embedded)).unsqueeze(1)
         out = super().forward(x, fb, cache, ropes)
         return self.head_hidden(out), out
 
     def head_hidden(self, out: torch.Tensor) -> torch.Tensor:
         """The shared head's input [T, hidden] from the block's output streams: hc_head, then the norm."""
-        head_fn, base, scale, norm = self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm.weight
-        return hc_head(out, head_fn, base, scale, self.norm_eps, self.hc_eps, norm)
+        return self.ops.hc_head(out, self.head_mix())

@@ -34,8 +34,8 @@ from leanserve.model.block import Block
 from leanserve.model.cache import CacheGeometry
 from leanserve.model.compressor import Compressor, Indexer
 from leanserve.model.deepseek_v4 import DeepseekV4
-from leanserve.model.layers import apply_rope, rms_norm
-from leanserve.model.moe import MoE, swiglu
+from leanserve.model.moe import MoE
+from leanserve.model.torch_ops import apply_rope, rms_norm, swiglu
 
 
 @dataclass

@@ -1,0 +1,266 @@
+"""The CPU backend: the numba kernels (cpu_kernels.py) on float32 activations, with float32 or bfloat16 weights
+widened as they are read; decode-sized steps run whole as numpy arrays (decode.py). Each op falls back to the
+torch statement (TorchBackend) for inputs the kernels do not take (autograd, other dtypes, sizes where torch's
+blocked matmuls win). The size thresholds live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from leanserve.model import cpu_kernels as ck
+from leanserve.model import decode, torch_ops
+from leanserve.model.backend import TorchBackend
+from leanserve.model.hyper import MixWeights
+
+# Up to this many rows, a linear layer, a grouped linear and the whole MoE run as compiled loops (decode and
+# verification steps): at these sizes torch's matmuls cost several times the arithmetic in call and packing
+# overhead; above it, torch's blocked matmuls (the MoE's over tokens grouped by expert).
+FEW_ROWS = 64
+# Steps of up to this many tokens whose rows go into the rings first (decode, verification, the MTP layer's
+# steps) run the blocks as numpy arrays through the kernels, one plan per block (decode.py).
+DECODE_TOKENS = 64
+# From this many tokens (a prefill), hc_pre's projection is a torch matmul rather than the kernel's row loops.
+MANY_TOKENS = 256
+# Padded experts (two batched matmuls over [E, M, ...]) when padding every expert to the largest count M costs
+# at most twice the rows, and M is at most this; else a grouped matmul.
+PADDED_MOST = 256
+
+_F32 = torch.float32
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _activations(*tensors: torch.Tensor | None, strided: tuple[torch.Tensor, ...] = ()) -> bool:
+    """Float32 CPU tensors without autograd, contiguous but for those in `strided` (None ones are absent)."""
+    for t in tensors:
+        if t is not None and (t.dtype is not _F32 or not t.is_cpu or t.requires_grad or not t.is_contiguous()):
+            return False
+    return not any(t.dtype is not _F32 or not t.is_cpu or t.requires_grad for t in strided)
+
+
+def _weights(weights: tuple[torch.Tensor, ...]) -> bool:
+    """Weights of one dtype the kernels read (float32 or bfloat16), contiguous CPU tensors without autograd."""
+    dtype = weights[0].dtype
+    return all(
+        t.dtype is dtype and dtype in _WEIGHT_DTYPES and t.is_cpu and not t.requires_grad and t.is_contiguous()
+        for t in weights
+    )
+
+
+def numpy_views(obj):
+    """A typed weights value (a dataclass of tensors, nested ones and constants) with each tensor replaced by its
+    numpy view (bfloat16 as raw uint16 bits)."""
+    if isinstance(obj, torch.Tensor):
+        return ck.weight_np(obj)
+    if dataclasses.is_dataclass(obj):
+        return type(obj)(**{f.name: numpy_views(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+    if isinstance(obj, tuple):
+        return tuple([numpy_views(o) for o in obj])
+    return obj
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor of a typed weights value (a plan is current while their storages are)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+    if isinstance(obj, tuple):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+class CpuBackend(TorchBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[int, int], decode.Plan] = {}  # (id(block), id(cache)) -> its decode plan
+        self._mtp_plans: dict[int, object] = {}  # id(MTP block) -> (its tensors' pointers, MTPWeights views)
+
+    def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """bfloat16 weights meet float32 activations: the kernels widen each weight row as they read it, so a step
+        moves half the weight bytes and computes in float32 (what a CPU without bfloat16 arithmetic does anyway);
+        torch's own bfloat16 matmuls on a CPU are several times slower."""
+        return torch.float32 if weight_dtype == torch.bfloat16 else weight_dtype
+
+    # --- small ops ------------------------------------------------------------------------------------
+    def linears(self, x, weights):
+        rows = x.numel() // x.shape[-1]
+        if rows <= FEW_ROWS and _activations(x) and _weights(weights):
+            views = tuple([ck.weight_np(w) for w in weights])
+            outs = ck.matmuls(x.view(rows, x.shape[-1]).numpy(), views)
+            return tuple([torch.from_numpy(o).view(*x.shape[:-1], o.shape[1]) for o in outs])
+        return super().linears(x, weights)
+
+    def grouped_linear(self, x, weight):
+        if x.shape[0] <= FEW_ROWS and _activations(x) and _weights((weight,)):
+            out = x.new_empty(x.shape[0], x.shape[1], weight.shape[1])
+            ck.grouped_linear(x.shape[0] * weight.numel(), x.numpy(), ck.weight_np(weight), out.numpy())
+            return out
+        return super().grouped_linear(x, weight)
+
+    def rms_norm(self, x, eps, weight=None):
+        if _activations(x, weight):
+            flat = x.view(x.numel() // x.shape[-1], x.shape[-1])
+            return torch.from_numpy(decode.rms_norm_arrays(flat.numpy(), ck.np_(weight), eps)).view(x.shape)
+        return super().rms_norm(x, eps, weight)
+
+    def norm_rope(self, x, freqs, eps, weight=None):
+        if _activations(x, weight):
+            return self._rope(x, freqs, False, True, eps, weight)
+        return super().norm_rope(x, freqs, eps, weight)
+
+    def apply_rope(self, x, freqs, inverse=False):
+        if _activations(x):
+            return self._rope(x, freqs, inverse, False, 0.0, None)
+        return super().apply_rope(x, freqs, inverse)
+
+    @staticmethod
+    def _rope(x, freqs, inverse: bool, normalize: bool, eps: float, weight) -> torch.Tensor:
+        flat = x.view(x.shape[0], x.numel() // (x.shape[0] * x.shape[-1]), x.shape[-1])  # [N, heads, D]
+        angles = torch.view_as_real(freqs.contiguous()).numpy()  # [N, rope_dim/2, 2]
+        out = decode.rope_arrays(flat.numpy(), angles, eps, normalize, ck.np_(weight), inverse)
+        return torch.from_numpy(out).view(x.shape)
+
+    # --- mHC ------------------------------------------------------------------------------------------
+    def hc_pre(self, streams, w: MixWeights):
+        if not _activations(streams, w.fn, w.norm_weight):
+            return super().hc_pre(streams, w)
+        # One call: the projection, the mHC weights, the collapse of the streams and the block input's RMSNorm.
+        projected = None
+        if streams.shape[0] >= MANY_TOKENS:  # (a prefill: torch's blocked matmul beats the kernel's row loops)
+            projected = F.linear(streams.flatten(1), w.fn.detach()).numpy()
+        x, weights = decode.hc_pre_arrays(streams.numpy(), numpy_views(w), projected)
+        x, weights, hc = torch.from_numpy(x), torch.from_numpy(weights), streams.shape[1]
+        return x, weights[:, hc : 2 * hc], weights[:, 2 * hc :].unflatten(-1, (hc, hc))
+
+    def hc_post(self, block_out, streams, post, comb):
+        if _activations(block_out, streams, strided=(post, comb)):
+            out = decode.hc_post_arrays(block_out.numpy(), streams.numpy(), post.numpy(), comb.numpy())
+            return torch.from_numpy(out)
+        return super().hc_post(block_out, streams, post, comb)
+
+    def hc_head(self, streams, w: MixWeights):
+        if _activations(streams, w.fn, w.norm_weight):  # hc_pre's kernel: the pre weights are all it computes
+            return torch.from_numpy(decode.hc_pre_arrays(streams.numpy(), numpy_views(w))[0])
+        return super().hc_head(streams, w)
+
+    # --- whole pieces ---------------------------------------------------------------------------------
+    def compress(self, comp, kv, gate, meta, kv_ring, gate_ring, rows, row_rope):
+        if not _activations(kv, gate, kv_ring, gate_ring, rows):
+            return super().compress(comp, kv, gate, meta, kv_ring, gate_ring, rows, row_rope)
+        angles = torch.view_as_real(row_rope.contiguous()).numpy()  # [NW, R/2, 2]
+        r = decode.Rings.of(kv_ring, gate_ring, rows)
+        decode.compress_arrays(
+            kv.numpy(), gate.numpy(), meta.arrays(), r.kv, r.gate, r.rows, angles, meta.write_first,
+            numpy_views(comp.weights()),
+        )  # fmt: skip
+
+    def attend(self, attn, q, ring, new_kv, fb, cache, index_queries, rope):
+        # Every CPU step in float32 attends through the kernel (threaded over query blocks: no [blocks, heads,
+        # queries, keys] score tensors).
+        if not _activations(q, ring, new_kv):
+            return super().attend(attn, q, ring, new_kv, fb, cache, index_queries, rope)
+        out = torch.empty_like(q)
+        arrays = q.numpy(), ring.numpy(), decode.NO_NEW_KV if new_kv is None else new_kv.numpy()
+        angles = torch.view_as_real(rope.contiguous()).numpy()
+        iq = None if index_queries is None else (index_queries[0].numpy(), index_queries[1].numpy())
+        w, rows = numpy_views(attn.weights()), decode.cache_rows(cache)
+        for g in fb.groups:
+            most = g.max_visible[attn.layer_type] if w.compressor is not None else 0
+            visible = g.visible[attn.layer_type].numpy() if most else np.zeros(g.q_rows.shape, dtype=np.int64)
+            decode.attend_arrays(w, *arrays, g.arrays(), most, visible, *rows, iq, angles, out.numpy())
+        return out
+
+    def experts(self, rows, counts, w13, w2, limit):
+        w13, w2 = w13.to(rows.dtype), w2.to(rows.dtype)  # (bfloat16 weights: widened once, for either way)
+        padded = padded_experts(rows, counts, w13, w2, limit)
+        if padded is not None:
+            return padded
+        grouped = _grouped_mm if hasattr(torch, "_grouped_mm") else None
+        return torch_ops.experts(rows, counts, w13, w2, limit, grouped)
+
+    def moe(self, moe, x, input_ids):
+        if x.shape[0] <= FEW_ROWS and _activations(x):
+            w = moe.weights()
+            if _weights((w.gate, w.w13, w.w2, w.shared_w1, w.shared_w3, w.shared_w2)):
+                return torch.from_numpy(decode.moe_arrays(x.numpy(), input_ids.numpy(), numpy_views(w)))
+        return super().moe(moe, x, input_ids)
+
+    # --- decode-sized steps, whole ----------------------------------------------------------------------
+    @staticmethod
+    def decode_step(fb, act_dtype: torch.dtype) -> bool:
+        """Whether a step runs whole as numpy arrays: short chunks whose rows go into the rings first (one
+        attention group), float32 activations on the CPU."""
+        return (
+            act_dtype == _F32
+            and fb.num_tokens <= DECODE_TOKENS
+            and len(fb.groups) == 1
+            and fb.window_write_first
+            and all(m.write_first for m in fb.compress.values())
+            and fb.input_ids.is_cpu
+        )
+
+    def plan(self, block, cache) -> decode.Plan:
+        """The block's decode plan with this cache, made again when a weight's storage changed."""
+        key = (id(block), id(cache))
+        plan = self._plans.get(key)
+        if plan is None or not plan.current():
+            w = block.weights()
+            plan = self._plans[key] = decode.Plan(numpy_views(w), _tensors(w), cache)
+        return plan
+
+    def run_blocks(self, model, fb, caches, ropes, streams):
+        if not self.decode_step(fb, model.act_dtype):
+            return super().run_blocks(model, fb, caches, ropes, streams)
+        plans = [self.plan(block, caches[key]) for key, block in model.layers.items()]
+        embed = ck.weight_np(model.embed.weight) if streams is None else None
+        s = None if streams is None else streams.numpy()
+        return torch.from_numpy(decode.run_blocks(embed, plans, model.cfg.hc_mult, decode.Step(fb, ropes), s))
+
+    def run_mtp(self, mtp, streams, embedded, fb, cache, ropes):
+        if not (self.decode_step(fb, streams.dtype) and _activations(streams, embedded)):
+            return super().run_mtp(mtp, streams, embedded, fb, cache, ropes)
+        w = self._mtp_weights(mtp)
+        x = decode.mtp_inputs(w, streams.numpy(), embedded.numpy())
+        out = decode.block_arrays(self.plan(mtp, cache), x, decode.Step(fb, ropes))
+        return torch.from_numpy(decode.hc_pre_arrays(out, w.head)[0]), torch.from_numpy(out)
+
+    def _mtp_weights(self, mtp):
+        kept = self._mtp_plans.get(id(mtp))
+        if kept is None or [t.data_ptr() for t in kept[0]] != kept[1]:
+            w = mtp.mtp_weights()
+            tensors = _tensors(w)
+            kept = self._mtp_plans[id(mtp)] = (tensors, [t.data_ptr() for t in tensors], numpy_views(w))
+        return kept[2]
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
+
+
+def padded_experts(
+    rows: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float
+) -> torch.Tensor | None:
+    """The experts as two batched matmuls over [E, M, ...], every expert's rows padded to the largest count M:
+    rows [N, hidden] grouped by expert, counts [E] -> [N, hidden]. On the CPU this beats a grouped matmul once
+    the padding is at most half the work (decode batches); None when it would not (tiny or skewed batches, long
+    prefills)."""
+    num_experts, n = counts.shape[0], rows.shape[0]
+    if n < num_experts:
+        return None
+    most = int(counts.max())
+    if num_experts * most > 2 * n or most > PADDED_MOST:
+        return None
+    starts = torch.cumsum(counts, 0) - counts
+    expert_of = torch.repeat_interleave(torch.arange(num_experts), counts)
+    slot = expert_of * most + torch.arange(n) - starts[expert_of]  # row i -> its place in [E * M]
+    padded = rows.new_zeros(num_experts * most, rows.shape[1])
+    padded[slot] = rows
+    gate, up = torch.bmm(padded.view(num_experts, most, -1), w13.transpose(1, 2)).chunk(2, dim=-1)
+    out = torch.bmm(torch_ops.swiglu(gate, up, limit), w2.transpose(1, 2))  # [E, M, hidden]
+    return out.view(num_experts * most, -1)[slot]

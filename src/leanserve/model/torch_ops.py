@@ -1,0 +1,73 @@
+"""The torch statement of the model's small ops (the torch backend runs these; the CPU backend runs kernels
+where they apply, see backend.py): linears, the experts' SwiGLU, RMSNorm, partial
+interleaved RoPE."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linears(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """x [..., in] @ w[out, in]^T for each of `weights`, in x's dtype (a bfloat16 weight meets float32
+    activations on the CPU, see backend.activation_dtype)."""
+    return tuple([F.linear(x, w.to(x.dtype)) for w in weights])
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, G, in], weight [G, out, in] -> [T, G, out]: group g of every row times weight[g]^T."""
+    return torch.einsum("tgi,goi->tgo", x, weight.to(x.dtype))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """SiLU(gate) * up with both pre-activations clamped (gate from above, up both ways) at `limit`."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def experts(rows, counts, w13, w2, limit: float, grouped_mm=None) -> torch.Tensor:
+    """The routed experts' SwiGLU over rows [N, hidden] grouped by expert (counts [E] rows each), w13 [E, 2I,
+    hidden] (gate | up), w2 [E, hidden, I] -> [N, hidden]; `grouped_mm` (x, w, ends) -> x's rows times their
+    expert's w^T, one matmul per expert by default."""
+    mm = grouped_mm or grouped_mm_loop
+    ends = torch.cumsum(counts, 0)
+    gate, up = mm(rows, w13.to(rows.dtype), ends).chunk(2, dim=-1)  # [N, I] each
+    return mm(swiglu(gate, up, limit), w2.to(rows.dtype), ends)  # [N, hidden]
+
+
+def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows [ends[e-1], ends[e]) of x times w[e]^T: x [N, in], w [E, out, in] -> [N, out]. Each expert's weights
+    are read once, and only its own rows are computed."""
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            torch.mm(x[start:end], w[e].T, out=out[start:end])
+        start = end
+    return out
+
+
+def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim (times `weight` if given), computed in float32, returned in x's dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+
+
+def norm_rope(x: torch.Tensor, freqs: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """apply_rope(rms_norm(x, eps, weight), freqs)."""
+    return apply_rope(rms_norm(x, eps, weight), freqs)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x: [N, ..., D]; freqs from Rotary.table, [N, rope_dim/2], broadcast over the middle dims. Rotates the
+    trailing rope_dim channels in interleaved pairs (as complex numbers); `inverse` rotates by -angle."""
+    rope_dim = 2 * freqs.shape[-1]
+    freqs = freqs.view((freqs.shape[0],) + (1,) * (x.dim() - 2) + (-1,))
+    if inverse:
+        freqs = freqs.conj()
+    out = x.clone()
+    rope = out[..., -rope_dim:]
+    if x.dtype == torch.float32:
+        torch.view_as_complex(rope.unflatten(-1, (-1, 2))).mul_(freqs)
+    else:  # rotate in float32, store back in x's dtype
+        rotated = torch.view_as_complex(rope.float().unflatten(-1, (-1, 2))) * freqs
+        rope.copy_(torch.view_as_real(rotated).flatten(-2))
+    return out
