@@ -89,6 +89,7 @@ class Attention(UsesBackend, nn.Module):
                 ratio,
                 self.eps,
             )
+
     def input_weights(self) -> tuple[torch.Tensor, ...]:
         """The projections of the layer input x, computed together (one call on the CPU kernels' path): wq_a,
         wkv, then the compressor's wkv and wgate, then the indexer's compressor wkv, wgate and weights_proj."""

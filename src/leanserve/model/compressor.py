@@ -9,11 +9,11 @@ so an entry has width 2r. HCA windows don't overlap.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from dataclasses import dataclass
 
 from leanserve.model.backend import UsesBackend
 from leanserve.model.batch import AttnGroup, CompressMeta

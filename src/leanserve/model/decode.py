@@ -142,7 +142,9 @@ class Rings:
     @classmethod
     def of(cls, kv: torch.Tensor, gate: torch.Tensor, rows: torch.Tensor) -> Rings:
         width = kv.shape[-1]
-        return cls(kv.numpy().reshape(-1, width), gate.numpy().reshape(-1, width), rows.numpy().reshape(-1, rows.shape[-1]))
+        return cls(
+            kv.numpy().reshape(-1, width), gate.numpy().reshape(-1, width), rows.numpy().reshape(-1, rows.shape[-1])
+        )
 
 
 class Plan:

@@ -51,7 +51,9 @@ class MTPBlock(Block):
 
     def mtp_weights(self) -> MTPWeights:
         h, e = self.hnorm, self.enorm
-        return MTPWeights(h.weight, e.weight, self.h_proj.weight, self.e_proj.weight, h.eps, self.weights(), self.head_mix())
+        return MTPWeights(
+            h.weight, e.weight, self.h_proj.weight, self.e_proj.weight, h.eps, self.weights(), self.head_mix()
+        )
 
     def forward(
         self,
