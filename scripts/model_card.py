@@ -9,7 +9,7 @@ greedy example completion.
 
 import sys
 
-from leanserve.train.card import card_main
+from card import card_main  # scripts/card.py, beside this script
 
 if __name__ == "__main__":
     sys.exit(card_main())

@@ -3,6 +3,7 @@ tmp_path_factory) and a small driver that runs leanserve's model step by step ag
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from leanserve.model.deepseek_v4 import DeepseekV4, build_model
 from leanserve.model.loader import has_mtp_weights, load_weights
 
 MAX_LEN = 256
+
+# The model card writer (scripts/card.py) lives beside the scripts, outside the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 # The models here are tiny: one thread is faster than several (and much faster on a shared, busy machine).
 torch.set_num_threads(1)

@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import card  # scripts/card.py: conftest puts scripts/ on sys.path
+from card import card_main
 from leanserve import LLM, SamplingParams
 from leanserve.config import ConfigError
-from leanserve.train import card, data
+from leanserve.train import data
 from leanserve.train.architecture import model_config, new_model
-from leanserve.train.card import card_main
 from leanserve.train.evaluate import eval_main, evaluate
 from leanserve.train.forward import check_parity
 from leanserve.train.trainer import TrainConfig, train, train_main

@@ -170,7 +170,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from leanserve import bench
+    from leanserve.bench.common import print_rows
 
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
@@ -178,37 +178,47 @@ def _bench(args: argparse.Namespace) -> int:
     if min(sizes or [0]) < 1 or getattr(args, "repeats", 1) < 1 or getattr(args, "requests", 1) < 1:
         raise ValueError("batch sizes / token counts / concurrency levels, --repeats and --requests must be positive.")
     if args.bench == "throughput":
+        from leanserve.bench.throughput import THROUGHPUT_HEADERS, throughput
+
         if args.max_tokens < 1 or args.prompt_len < 1:
             raise ValueError("--prompt-len and --max-tokens must be positive.")
-        rows = bench.throughput(
+        rows = throughput(
             args.model, args.batch_sizes, args.prompt_len, args.max_tokens, tuple(args.dtype), args.repeats
         )
-        bench.print_rows(rows, args.output, bench.THROUGHPUT_HEADERS)
+        print_rows(rows, args.output, THROUGHPUT_HEADERS)
     elif args.bench == "copy":
+        from leanserve.bench.hidden_copy import COPY_HEADERS, copy_bench
+
         if args.hc_dim < 1:
             raise ValueError("--hc-dim must be positive.")
-        rows = bench.copy_bench(args.device, args.dtype, args.hc_dim, tuple(args.tokens), args.repeats)
-        bench.print_rows(rows, args.output, bench.COPY_HEADERS)
+        rows = copy_bench(args.device, args.dtype, args.hc_dim, tuple(args.tokens), args.repeats)
+        print_rows(rows, args.output, COPY_HEADERS)
     elif args.bench == "serve":
+        from leanserve.bench.serve import SERVE_HEADERS, serve_bench
+
         if args.max_tokens < 1 or args.prompt_len < 1:
             raise ValueError("--prompt-len and --max-tokens must be positive.")
-        rows = bench.serve_bench(
+        rows = serve_bench(
             args.model, args.concurrency, args.requests, args.max_tokens, args.prompt_len, ["--dtype", args.dtype]
         )
-        bench.print_rows(rows, args.output, bench.SERVE_HEADERS)
+        print_rows(rows, args.output, SERVE_HEADERS)
     elif args.bench == "spec-cost":
-        rows = bench.spec_cost_bench(args.model, args.batch_sizes, args.repeats, dtype=args.dtype)
-        bench.print_rows(rows, args.output, bench.SPEC_COST_HEADERS)
+        from leanserve.bench.spec_cost import SPEC_COST_HEADERS, spec_cost_bench
+
+        rows = spec_cost_bench(args.model, args.batch_sizes, args.repeats, dtype=args.dtype)
+        print_rows(rows, args.output, SPEC_COST_HEADERS)
     elif args.bench == "step":
-        rows = bench.step_bench(args.model, args.batch_sizes, args.max_num_batched_tokens, args.repeats)
-        bench.print_rows(rows, args.output, bench.STEP_HEADERS)
+        from leanserve.bench.step import STEP_HEADERS, step_bench
+
+        rows = step_bench(args.model, args.batch_sizes, args.max_num_batched_tokens, args.repeats)
+        print_rows(rows, args.output, STEP_HEADERS)
     else:
+        from leanserve.bench.spec import SPEC_HEADERS, spec_bench
+
         if args.max_tokens < 1 or args.prompt_len < 1:
             raise ValueError("--prompt-len and --max-tokens must be positive.")
-        rows = bench.spec_bench(
-            args.model, args.batch_sizes, args.max_tokens, args.prompt_len, args.repeats, args.dtype
-        )
-        bench.print_rows(rows, args.output, bench.SPEC_HEADERS)
+        rows = spec_bench(args.model, args.batch_sizes, args.max_tokens, args.prompt_len, args.repeats, args.dtype)
+        print_rows(rows, args.output, SPEC_HEADERS)
     return 0
 
 

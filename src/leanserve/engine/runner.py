@@ -196,7 +196,12 @@ class StageRunner:
 
     @torch.inference_mode()
     def execute(
-        self, plan: StepPlan, received: IntermediateStreams | None = None
+        self,
+        plan: StepPlan,
+        received: IntermediateStreams | None = None,
+        *,
+        propose: bool = True,
+        capture_hidden: bool = True,
     ) -> IntermediateStreams | dict[int, SeqOutput]:
         """Runs this stage's part of one step on the previous stage's streams (none on the first stage):
         returns this stage's streams (non-last stage) or the sampled token of every sequence in
@@ -206,11 +211,11 @@ class StageRunner:
         logits_index = list(plan.logits_rows) if last else None
         fb = build_forward_batch(list(plan.chunks), self.geometry, logits_index=logits_index, device=self.device)
         streams = received.streams if received is not None else None
-        out = self.model(fb, self.caches, streams, target_hidden=self.target_hidden)
+        out = self.model(fb, self.caches, streams, target_hidden=self.target_hidden if capture_hidden else None)
         if not last:
             return IntermediateStreams(out)
         tokens = self._verify(out, plan.samples) if plan.samples else {}
-        drafts = self._propose(plan, tokens) if self.proposer is not None else {}
+        drafts = self._propose(plan, tokens) if self.proposer is not None and propose else {}
         return {seq_id: SeqOutput(t, drafts.get(seq_id, ())) for seq_id, t in tokens.items()}
 
     def _check_committed(self, plan: StepPlan) -> None:

@@ -5,5 +5,4 @@ architecture  the default model config, layer pattern and trainable init
 forward       the batched training forward (checked against the inference forward) and the losses
 trainer       the run's config, LR schedule, optimizer, the loop and scripts/train_small.py
 evaluate      held-out figures through leanserve's inference path and scripts/eval_small.py
-card          the model card (README.md + loss curve) of a trained model: scripts/model_card.py
 """

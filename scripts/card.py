@@ -2,7 +2,9 @@
 
 Every figure in the card is read from the directory (config.json, model.safetensors, tokenizer.json,
 train_summary.json, train_log.jsonl), from an eval_small.py JSON file, or computed by running the model
-(the example completion); nothing is typed in by hand. `card_main` is scripts/model_card.py.
+(the example completion); nothing is typed in by hand. `card_main` is scripts/model_card.py. This module
+lives beside the scripts, outside the installed leanserve package: only scripts/model_card.py and the tests
+import it.
 """
 
 from __future__ import annotations

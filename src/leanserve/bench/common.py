@@ -1,0 +1,112 @@
+"""What the benchmarks share: printing rows as a table or JSON, timers, a one-stage MTP runner to time parts
+of a step directly, and prompts from held-out code."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict
+
+import torch
+
+
+def print_rows(rows: list, output: str, headers: dict[str, str] | None = None) -> None:
+    """Rows of one dataclass as JSON, or as a table with `headers` (field -> column title; all fields if None)."""
+    dicts = [asdict(r) for r in rows]
+    if output == "json":
+        print(json.dumps(dicts))
+        return
+    if not dicts:
+        return
+    headers = headers or {k: k for k in dicts[0]}
+    cells = [[_cell(d[k]) for k in headers] for d in dicts]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers.values())]
+    print("  ".join(h.rjust(w) for h, w in zip(headers.values(), widths, strict=True)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=True)))
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def timed(fn, *args, **kwargs) -> tuple[float, object]:
+    """(wall-clock seconds of fn(*args, **kwargs), its result)."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return time.perf_counter() - start, result
+
+
+def median_timer(device: torch.device):
+    """fn, repeats -> median seconds per call (CUDA: timed with events after a synchronize)."""
+
+    def median_s(fn, repeats: int) -> float:
+        if device.type == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize(device)
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1000)
+            return statistics.median(times)
+        return statistics.median(timed(fn)[0] for _ in range(repeats))
+
+    return median_s
+
+
+def mtp_runner(model: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, dtype: str = "auto"):
+    """A one-stage runner of `model` with the MTP drafter (k = 1), for timing its parts directly."""
+    from leanserve.config import EngineConfig, ModelConfig
+    from leanserve.engine.llm_engine import check_speculative, resolve_dtype
+    from leanserve.engine.runner import StageRunner
+    from leanserve.engine.topology import PipelineTopology
+
+    cfg = ModelConfig.from_hf(model)
+    config = EngineConfig(
+        model, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    )  # fmt: skip
+    check_speculative(config.speculative_config, cfg, model)
+    return StageRunner(
+        cfg, config, PipelineTopology.build(cfg, 1).layout(0), resolve_dtype(dtype, model),
+        config.resolved_max_model_len(cfg), progress=False,
+    )  # fmt: skip
+
+
+def prefill(runner, batch: int, prompt_len: int, next_tokens: tuple[int, ...] = ()) -> None:
+    """Writes one `prompt_len`-token prompt into each of the runner's slots 0..batch-1: no sampling, no proposal."""
+    from leanserve.engine.runner import StepPlan
+    from leanserve.model.batch import Chunk
+
+    chunks = tuple(Chunk(s, 0, tuple(range(3, 3 + prompt_len))) for s in range(batch))
+    runner.execute(StepPlan(chunks, (), (), next_tokens), propose=False)
+
+
+def code_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
+    """Prompts from held-out code (the Python standard library's held-out files, which the shipped model
+    never trained on): each starts at a top-level `def` line and is cut to `prompt_tokens` tokens."""
+    from leanserve.train.data import default_corpus_dir, find_py_files, is_heldout
+
+    prompts = []
+    for rel, path in find_py_files(default_corpus_dir()):
+        if not is_heldout(rel):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        start = text.find("\ndef ")
+        while start >= 0:  # every top-level function of the file, in order
+            ids = tokenizer.encode(text[start + 1 : start + 1 + 40 * prompt_tokens])[:prompt_tokens]
+            if len(ids) == prompt_tokens:
+                prompts.append(ids)
+            if len(prompts) == count:
+                return prompts
+            start = text.find("\ndef ", start + 1)
+    raise ValueError(f"found only {len(prompts)} held-out code prompts of {prompt_tokens} tokens")

@@ -1,0 +1,120 @@
+"""`leanserve bench throughput`: offline output tokens/s of leanserve and of transformers' `generate` on the
+same checkpoint, prompts and greedy workload, side by side in one run, with the ratio.
+
+Each batch size runs both engines on identical prompts (equal length, so transformers needs no padding),
+alternating which goes first over `--repeats` rounds; the median round is reported. Greedy tokens of the two
+engines are compared as a check that the work is the same.
+
+Each dtype loads both engines in it. In bfloat16, transformers rounds every activation to bfloat16, while
+leanserve on the CPU keeps the weights in bfloat16 and computes in float32 (deepseek_v4.activation_dtype):
+its tokens are then its float32 tokens, and may differ from transformers' bfloat16 ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from leanserve.bench.common import timed
+
+
+@dataclass
+class ThroughputRow:
+    dtype: str
+    batch_size: int
+    leanserve_tok_s: float
+    transformers_tok_s: float
+    speedup: float
+    identical_sequences: int
+
+
+THROUGHPUT_HEADERS = {
+    "dtype": "dtype",
+    "batch_size": "batch",
+    "leanserve_tok_s": "leanserve tok/s",
+    "transformers_tok_s": "transformers tok/s",
+    "speedup": "speedup",
+    "identical_sequences": "same tokens",
+}
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=gen)
+
+
+def throughput(
+    model: str,
+    batch_sizes: list[int],
+    prompt_len: int = 64,
+    max_tokens: int = 32,
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    repeats: int = 3,
+    seed: int = 0,
+) -> list[ThroughputRow]:
+    try:
+        from transformers import DeepseekV4ForCausalLM  # noqa: F401
+    except ImportError:
+        raise ValueError("bench throughput needs transformers (pip install 'transformers>=5.24').") from None
+    rows = []
+    for dtype in dtypes:
+        rows += _throughput(model, batch_sizes, prompt_len, max_tokens, dtype, repeats, seed)
+    return rows
+
+
+def _throughput(
+    model: str, batch_sizes: list[int], prompt_len: int, max_tokens: int, dtype: str, repeats: int, seed: int
+) -> list[ThroughputRow]:
+    from transformers import DeepseekV4ForCausalLM
+
+    from leanserve import LLM, SamplingParams
+
+    torch_dtype = getattr(torch, dtype)
+    hf = DeepseekV4ForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
+    hf.generation_config.eos_token_id = None  # both engines generate exactly max_tokens
+    llm = LLM(
+        model,
+        dtype=dtype,
+        max_model_len=prompt_len + max_tokens,
+        max_num_seqs=max(batch_sizes),
+        max_num_batched_tokens=max(2048, max(batch_sizes) * prompt_len),
+        load_progress=False,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    vocab = llm.engine.model_config.vocab_size
+
+    def run_hf(ids: torch.Tensor) -> tuple[float, list[list[int]]]:
+        with torch.inference_mode():
+            mask = torch.ones_like(ids)
+            dt, out = timed(hf.generate, ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False)
+            return dt, out[:, ids.shape[1] :].tolist()
+
+    def run_lean(ids: torch.Tensor) -> tuple[float, list[list[int]]]:
+        dt, outs = timed(llm.generate, [{"prompt_token_ids": row} for row in ids.tolist()], params)
+        return dt, [o.outputs[0].token_ids for o in outs]
+
+    warm = _prompts(1, prompt_len, vocab, seed + 999)
+    run_hf(warm)
+    run_lean(warm)
+    rows = []
+    for batch in batch_sizes:
+        ids = _prompts(batch, prompt_len, vocab, seed + batch)
+        lean_times, hf_times = [], []
+        for r in range(repeats):
+            order = (run_lean, run_hf) if r % 2 == 0 else (run_hf, run_lean)
+            for fn in order:
+                dt, tokens = fn(ids)
+                (lean_times if fn is run_lean else hf_times).append(dt)
+                if fn is run_lean:
+                    lean_tokens = tokens
+                else:
+                    hf_tokens = tokens
+        lean_tps = batch * max_tokens / statistics.median(lean_times)
+        hf_tps = batch * max_tokens / statistics.median(hf_times)
+        same = sum(a == b for a, b in zip(lean_tokens, hf_tokens, strict=True))
+        speedup = round(lean_tps / hf_tps, 2)
+        rows.append(ThroughputRow(dtype, batch, round(lean_tps, 1), round(hf_tps, 1), speedup, same))
+    llm.shutdown()
+    return rows
