@@ -174,11 +174,13 @@ def test_requests_joining_a_running_batch_match_alone(llm, alone):
     finished: dict[int, list[int]] = {}
     reasons: dict[int, str | None] = {}
 
-    def collect(states) -> None:
-        for st in states:
-            assert st.seq.seq_id not in finished, "a request finished twice"
-            finished[st.seq.seq_id] = list(st.seq.output_token_ids)
-            reasons[st.seq.seq_id] = st.seq.finish_reason
+    def collect(updates) -> None:
+        for u in updates:
+            if not u.finished:
+                continue
+            assert u.seq.seq_id not in finished, "a request finished twice"
+            finished[u.seq.seq_id] = list(u.seq.output_token_ids)
+            reasons[u.seq.seq_id] = u.finish_reason
 
     first = [engine.add_request(prompts[i], params[i]) for i in (0, 1)]
     for _ in range(4):
@@ -362,6 +364,50 @@ def test_logprobs_zero_returns_only_the_sampled_token(llm):
     for step, (t, d) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
         assert d[t].logprob == pytest.approx(ref[step, t].item(), abs=1e-4)
         assert d[t].logprob == pytest.approx(ref[step].max().item(), abs=1e-4)  # greedy: the most likely token
+
+
+# --- the step's result -----------------------------------------------------------------------------------
+def stream(engine, requests) -> dict[int, tuple[list, str | None, int]]:
+    """Drives engine.step() over (prompt, params) requests: seq_id -> (every new token the steps reported, in
+    order; the finish reason; how many steps reported it finished)."""
+    got = {engine.add_request(p, params): ([], None, 0) for p, params in requests}
+    steps = 0
+    while engine.has_unfinished:
+        for u in engine.step():
+            tokens, reason, done = got[u.seq.seq_id]
+            assert reason is None, "a request was reported after it finished"
+            assert u.new_tokens, "a sampled request gains at least one token"
+            tokens.extend(u.new_tokens)
+            got[u.seq.seq_id] = (tokens, u.finish_reason, done + u.finished)
+        steps += 1
+        assert steps < 300
+    return got
+
+
+def test_streamed_tokens_concatenate_to_the_final_output(llm, long_greedy):
+    prompt, out, i = long_greedy
+    requests = [
+        (PROMPTS[1], SamplingParams(seed=3, logprobs=2, ignore_eos=True, **SAMPLED)),
+        (PROMPTS[5], SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)),
+        (prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[out[i]], logprobs=1)),
+    ]
+    want = llm.generate([tok_prompt(p) for p, _ in requests], [params for _, params in requests])
+    got = stream(llm.engine, requests)
+    assert len(got) == 3
+    for (tokens, reason, done), result in zip(got.values(), want, strict=True):
+        comp = result.outputs[0]
+        assert [t.token_id for t in tokens] == comp.token_ids and reason == comp.finish_reason and done == 1
+        assert [t.logprob for t in tokens] == [d[t].logprob for t, d in zip(comp.token_ids, comp.logprobs, strict=True)]
+    assert [len(v[0]) for v in got.values()] == [8, 6, i + 1]
+    assert [v[1] for v in got.values()] == ["length", "length", "stop"]
+    assert_idle(llm)
+
+
+def test_generate_reports_request_timing(llm):
+    (res,) = llm.generate(tok_prompt(PROMPTS[2]), SamplingParams(temperature=0, max_tokens=4))
+    m = res.metrics
+    assert 0 < m.arrival_time <= m.first_token_time <= m.finished_time
+    assert m.time_to_first_token == m.first_token_time - m.arrival_time
 
 
 # --- bad input --------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@ import random
 
 import pytest
 
-from leanserve.engine.scheduler import ScheduledBatch, Scheduler
-from leanserve.engine.sequence import Sequence, SequenceStatus
+from leanserve.engine.proposers import NgramProposer, ProposeItem, Proposer
+from leanserve.engine.scheduler import ScheduledBatch, Scheduler, SeqUpdate
+from leanserve.engine.sequence import SampledToken, SeqOutput, Sequence, SequenceStatus
 from leanserve.engine.slots import CacheSlots
 from leanserve.sampling_params import SamplingParams as Params
 
@@ -15,11 +16,21 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 4, **kw) -> Sequenc
     return Sequence(seq_id, prompt, Params(max_tokens=max_tokens, **kw), eos_token_ids=(EOS,))
 
 
+def outputs(sampled: dict[int, list[int]], drafts: dict[int, tuple[int, ...]] | None = None) -> dict[int, SeqOutput]:
+    """Model outputs carrying the given token ids (logprob = -token id, so tokens can be told apart)."""
+    drafts = drafts or {}
+    return {k: SeqOutput(tuple(SampledToken(t, -float(t)) for t in v), drafts.get(k, ())) for k, v in sampled.items()}
+
+
+def finished(updates: list[SeqUpdate]) -> list[Sequence]:
+    return [u.seq for u in updates if u.finished]
+
+
 def step(sched: Scheduler, token: int = 7) -> tuple[ScheduledBatch, list[Sequence]]:
     batch = sched.schedule()
     assert batch is not None
     sampled = {s.seq.seq_id: [token] for s in batch.seqs if s.is_sampled}
-    return batch, sched.update(batch, sampled)
+    return batch, finished(sched.update(batch, outputs(sampled)))
 
 
 def by_id(batch: ScheduledBatch) -> dict[int, tuple[int, int, bool]]:
@@ -153,7 +164,7 @@ def test_random_workload_respects_limits_and_every_request_completes(seed):
             fed[s.seq.seq_id].extend(s.token_ids)
             if s.is_sampled:
                 sampled[s.seq.seq_id] = [EOS if rng.random() < 0.05 else rng.randint(10, 99)]
-        for seq in sched.update(batch, sampled):
+        for seq in finished(sched.update(batch, outputs(sampled))):
             assert seq.seq_id not in done
             done.add(seq.seq_id)
         assert steps < 10_000
@@ -207,14 +218,14 @@ def test_finish_reasons(params, tokens, reason, n_out):
     sched = Scheduler(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=32)
     seq = Sequence(0, [1, 1, 1], params, eos_token_ids=(EOS,))
     sched.add(seq)
-    finished: list[Sequence] = []
+    done: list[Sequence] = []
     steps = 0
     for tok in tokens:
         steps += 1
-        finished = sched.update(sched.schedule(), {0: [tok]})
-        if finished:
+        done = finished(sched.update(sched.schedule(), outputs({0: [tok]})))
+        if done:
             break
-    assert finished == [seq]
+    assert done == [seq]
     assert steps == n_out and len(seq.output_token_ids) == n_out
     assert seq.finish_reason == reason and seq.is_finished
     assert seq.num_computed_tokens == seq.num_tokens - 1  # the last sampled token is never fed
@@ -243,7 +254,8 @@ def test_abort_waiting_and_between_schedule_and_update():
     assert sched.abort(2) is c and sched.num_waiting == 2 and c.finish_reason == "abort"
     batch = sched.schedule()
     sched.abort(0)  # e.g. client disconnects while the model runs
-    assert sched.update(batch, {0: [5], 1: [5]}) == []
+    (update,) = sched.update(batch, outputs({0: [5], 1: [5]}))  # the aborted one gains nothing
+    assert update.seq is b and update.new_tokens == (SampledToken(5, -5.0),) and not update.finished
     assert a.output_token_ids == [] and b.output_token_ids == [5]
     assert sched.num_running == 1 and sched.slots.num_free == 1
 
@@ -282,3 +294,91 @@ def test_drafts_never_run_past_max_tokens():
     seq.spec_token_ids = (5, 6, 7, 8)
     (s,) = sched.schedule().seqs
     assert s.num_drafts == 1  # 1 output so far + 1 draft + the token the step always adds = max_tokens
+
+
+def test_update_reports_each_sampled_sequences_new_tokens_and_drops_those_after_a_stop():
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=20, max_model_len=64)
+    a, b = make_seq(0, 3, max_tokens=20, stop_token_ids=(9,)), make_seq(1, 3, max_tokens=20)
+    long = make_seq(2, 40, max_tokens=5)
+    for seq in (a, b):
+        sched.add(seq)
+    step(sched)
+    sched.add(long)
+    a.spec_token_ids, b.spec_token_ids = (5, 9, 6), (5, 6)
+    batch = sched.schedule()
+    s_a, s_b, s_long = batch.seqs
+    # The fed tokens and the drafts are kept apart; the model sees their concatenation.
+    assert (s_a.fed_token_ids, s_a.draft_token_ids, s_a.token_ids) == ((7,), (5, 9, 6), (7, 5, 9, 6))
+    assert (s_b.num_tokens, s_b.num_drafts) == (3, 2)
+    assert (s_long.num_tokens, s_long.is_sampled) == (13, False)  # the budget left: a chunk, not sampled
+    # a's drafts are all accepted but the second is a stop token; b accepts one draft and gets one new token.
+    updates = sched.update(batch, outputs({0: [5, 9, 6, 8], 1: [5, 4]}, drafts={1: (3, 3)}))
+    assert [u.seq for u in updates] == [a, b]  # the sampled ones, in batch order; the chunk gained nothing
+    u_a, u_b = updates
+    assert u_a.new_tokens == (SampledToken(5, -5.0), SampledToken(9, -9.0))  # nothing after the stop
+    assert (u_a.finished, u_a.finish_reason, a.finish_reason) == (True, "stop", "stop")
+    assert a.output_token_ids == [7, 5, 9] and [t.logprob for t in a.output_tokens] == [-7.0, -5.0, -9.0]
+    assert [t.token_id for t in u_b.new_tokens] == [5, 4] and not u_b.finished and u_b.finish_reason is None
+    assert b.output_token_ids == [7, 5, 4]
+    assert b.num_computed_tokens == b.num_tokens - 1  # the accepted draft committed, the new token not yet
+    assert b.spec_token_ids == (3, 3)  # the next drafts, stored for the next schedule()
+    assert long.num_computed_tokens == 13 and long.spec_token_ids == ()
+    batch = sched.schedule()  # the rest of the prefill takes the budget first, so b's drafts wait
+    assert [(s.seq.seq_id, s.token_ids) for s in batch.seqs][0] == (1, (4,)) and batch.seqs[1].num_tokens == 19
+
+
+def test_length_finish_inside_accepted_drafts():
+    sched = Scheduler(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64)
+    seq = make_seq(0, 2, max_tokens=3)
+    sched.add(seq)
+    step(sched)
+    seq.spec_token_ids = (5, 6, 7)
+    batch = sched.schedule()
+    assert batch.seqs[0].num_drafts == 1  # the scheduler caps drafts at what max_tokens leaves
+    (u,) = sched.update(batch, outputs({0: [5, 6]}))
+    assert [t.token_id for t in u.new_tokens] == [5, 6] and u.finish_reason == "length"
+    assert seq.output_token_ids == [7, 5, 6]
+
+
+class Recording(Proposer):
+    def __init__(self, k: int) -> None:
+        self.k, self.calls = k, []
+
+    def propose(self, items, seeds):
+        self.calls.append((items, seeds))
+        return {it.seq_id: (50 + it.seq_id,) * it.num_drafts for it in items}
+
+
+def test_a_first_stage_proposer_gets_each_continuing_sequences_history_and_its_drafts_are_stored():
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    a, b, c = make_seq(0, 3, max_tokens=20), make_seq(1, 2, max_tokens=3), make_seq(2, 2, max_tokens=1)
+    a.seed = 11
+    for seq in (a, b, c):
+        sched.add(seq)
+    proposer = Recording(k=4)
+    batch = sched.schedule()
+    updates = sched.update(batch, outputs({0: [7], 1: [8], 2: [9]}, drafts={0: (1, 1)}), proposer)
+    assert finished(updates) == [c]  # max_tokens 1: finished, so not asked for drafts
+    ((items, seeds),) = proposer.calls
+    assert [it.seq_id for it in items] == [0, 1] and seeds == {0: 11, 1: 0}
+    item_a, item_b = items
+    assert item_a == ProposeItem(
+        a.slot, 0, (100, 101, 102, 7), 0, 0, a.params, step=1, num_drafts=4, history=(100, 101, 102, 7)
+    )
+    assert (item_b.row, item_b.history, item_b.num_drafts) == (3, (1100, 1101, 8), 1)  # 3 - 1 output - 1
+    # The proposer's drafts win over the step's outputs (there is one proposer, wherever it lives).
+    assert (a.spec_token_ids, b.spec_token_ids, c.spec_token_ids) == ((50,) * 4, (51,), ())
+
+
+def test_ngram_proposer_through_the_proposer_interface():
+    ngram = NgramProposer(
+        type("S", (), {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})()
+    )
+    assert isinstance(ngram, Proposer) and ngram.k == 3
+    sched = Scheduler(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
+    seq = Sequence(0, [1, 2, 3, 9, 1, 2], Params(max_tokens=10), eos_token_ids=(EOS,))
+    sched.add(seq)
+    sched.update(sched.schedule(), outputs({0: [3]}), ngram)
+    assert seq.spec_token_ids == (9, 1, 2)  # what followed the earlier 1, 2, 3
+    batch = sched.schedule()
+    assert batch.seqs[0].token_ids == (3, 9, 1, 2)

@@ -475,3 +475,47 @@ def test_a_request_cancelled_before_the_loop_takes_it_frees_its_slot():
     asyncio.run(leave_early())
     assert not engine.has_unfinished and engine.scheduler.slots.num_free == 2
     async_engine.stop()
+
+
+def test_async_engine_deltas_concatenate_to_the_offline_output():
+    # Each request's deltas, read as a streaming client reads them, are exactly LLM.generate's tokens and
+    # logprobs, also with MTP drafts (several tokens per delta) and a stop token inside a step's tokens.
+    from leanserve.server.async_engine import AsyncEngine
+
+    llm = LLM(
+        str(SHIPPED), dtype="float32", max_model_len=256, max_num_seqs=4, load_progress=False,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+    )  # fmt: skip
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS[:3]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    (first,) = llm.generate({"prompt_token_ids": prompts[0]}, greedy)
+    stop = first.outputs[0].token_ids[12]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop], logprobs=1),
+        greedy,
+        SamplingParams(temperature=0.8, seed=4, max_tokens=16, ignore_eos=True, logprobs=0),
+    ]
+    want = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    async_engine = AsyncEngine(llm.engine)
+
+    async def collect(prompt, p):
+        deltas = [d async for d in async_engine.generate(prompt, p)]
+        tokens = [t for d in deltas for t in d.tokens]
+        return tokens, [d.finish_reason for d in deltas], max(len(d.tokens) for d in deltas)
+
+    async def main():
+        return await asyncio.gather(*(collect(p, q) for p, q in zip(prompts, params, strict=True)))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        async_engine.stop()
+    for (tokens, reasons, _), result in zip(got, want, strict=True):
+        comp = result.outputs[0]
+        assert [t.token_id for t in tokens] == comp.token_ids
+        want_lp = [d[t].logprob for t, d in zip(comp.token_ids, comp.logprobs, strict=True)]
+        assert [t.logprob for t in tokens] == pytest.approx(want_lp, abs=1e-5)  # (another batch composition)
+        assert reasons[-1] == comp.finish_reason and all(r is None for r in reasons[:-1])
+    assert want[0].outputs[0].finish_reason == "stop" and len(want[0].outputs[0].token_ids) <= 13
+    assert max(g[2] for g in got) > 1  # some deltas carried accepted drafts

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from leanserve import LLM, SamplingParams
 from leanserve.cli import main
 from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError
-from leanserve.engine.proposers import NgramProposer
+from leanserve.engine.proposers import NgramProposer, Proposer
+from leanserve.engine.runner import SampleSpec, StepPlan
 from leanserve.engine.sampler import STREAM_DRAFT, Sampler, _exponentials
 from leanserve.model.batch import Chunk, build_forward_batch
 
@@ -155,6 +156,80 @@ def test_stop_tokens_inside_accepted_drafts_end_the_output_there(target5, random
     assert m["acceptance_rate"] == 1.0
 
 
+def test_a_stream_stops_at_a_stop_token_inside_accepted_drafts(target5, random_prompts, random_reference):
+    # What a streaming caller reads, step by step, concatenates to exactly the final output, tokens and
+    # logprobs, even when the stop token arrives mid-chunk of accepted drafts with more tokens behind it.
+    out = random_reference[1].outputs[0].token_ids
+    stop = out[6]
+    params = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop], logprobs=1)
+    config = spec({"method": "draft_model"}, 3, model=str(target5))
+    with LLM(str(target5), max_model_len=160, load_progress=False, speculative_config=config) as llm:
+        (want,) = llm.generate(random_prompts[1], params)
+        engine, beyond = llm.engine, []
+        execute = engine.executor.execute
+
+        def record(plan):  # the tokens the last stage sent back past the stop token
+            outputs = execute(plan)
+            for o in outputs.values():
+                ids = [t.token_id for t in o.tokens]
+                beyond.extend(ids[ids.index(stop) + 1 :] if stop in ids else [])
+            return outputs
+
+        engine.executor.execute = record
+        seq_id = engine.add_request(random_prompts[1]["prompt_token_ids"], params)
+        streamed, reasons = [], []
+        while engine.has_unfinished:
+            for u in engine.step():
+                assert u.seq.seq_id == seq_id
+                streamed.extend(u.new_tokens)
+                reasons.append(u.finish_reason)
+    comp = want.outputs[0]
+    assert comp.token_ids == out[: out.index(stop) + 1] and comp.finish_reason == "stop"
+    assert beyond, "the stop token should have come with accepted drafts behind it"
+    assert [t.token_id for t in streamed] == comp.token_ids
+    assert [t.logprob for t in streamed] == [d[t].logprob for t, d in zip(comp.token_ids, comp.logprobs, strict=True)]
+    assert reasons[-1] == "stop" and reasons.count("stop") == 1 and set(reasons[:-1]) <= {None}
+
+
+def test_ngram_drafts_come_from_the_engines_proposer():
+    config = spec(NGRAM, 3)
+    with shipped(speculative_config=config) as llm:
+        proposer = llm.engine.proposer
+        assert isinstance(proposer, NgramProposer) and isinstance(proposer, Proposer)
+        assert llm.engine.executor.runner.proposer is None  # no model proposer on the last stage
+        calls = []
+        original = proposer.propose
+
+        def record(items, seeds):
+            calls.append(items)
+            return original(items, seeds)
+
+        proposer.propose = record
+        llm.generate(CODE_PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+        m = llm.spec_decode_metrics()
+    assert calls and all(it.history for items in calls for it in items)
+    assert m["num_accepted_tokens"] > 0  # drafts were made, verified and some accepted
+
+
+def test_execute_can_skip_the_proposer_and_the_hidden_capture():
+    with shipped(speculative_config=spec(MTP, 2)) as llm:
+        runner = llm.engine.executor.runner
+        prompt = tuple(llm.get_tokenizer().encode(CODE_PROMPTS[1]))
+        greedy = SamplingParams(temperature=0.0, max_tokens=10)
+        plan = StepPlan((Chunk(0, 0, prompt),), (len(prompt) - 1,), (SampleSpec(0, greedy, 0, 0, 0),), (-1,))
+        full = runner.execute(plan)[0]
+        assert len(full.drafts) == 2
+        runner.target_hidden.fill_(float("nan"))
+        bare = runner.execute(plan, propose=False, capture_hidden=False)[0]
+        assert bare.tokens == full.tokens and bare.drafts == ()
+        assert torch.isnan(runner.target_hidden).all()  # nothing was copied into the buffer
+        runner.execute(plan, propose=False)
+        assert torch.isfinite(runner.target_hidden[: len(prompt)]).all()
+        with pytest.raises(ValueError, match="capture_hidden"):
+            runner.execute(plan, capture_hidden=False)
+        assert runner.execute(plan)[0] == full  # and the runner goes on as before
+
+
 # --- the MTP layer's own cache stays right -------------------------------------------------------------
 def test_mtp_drafts_equal_the_mtp_layer_run_from_scratch():
     """Every draft proposed during generation equals the MTP layer's prediction computed over the finished
@@ -255,10 +330,10 @@ def test_ngram_proposes_what_followed_the_latest_earlier_match():
     ngram = NgramProposer(
         type("S", (), {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})()
     )
-    assert ngram.propose([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3], limit=5) == (7, 8, 1)  # latest match wins
-    assert ngram.propose([5, 6, 7, 5, 6], limit=5) == (7, 5, 6)
-    assert ngram.propose([5, 6, 7, 5, 6], limit=1) == (7,)  # the request's remaining budget caps it
-    assert ngram.propose([1, 2, 3, 4], limit=5) == ()  # nothing repeats
+    assert ngram.lookup([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3], limit=5) == (7, 8, 1)  # latest match wins
+    assert ngram.lookup([5, 6, 7, 5, 6], limit=5) == (7, 5, 6)
+    assert ngram.lookup([5, 6, 7, 5, 6], limit=1) == (7,)  # the request's remaining budget caps it
+    assert ngram.lookup([1, 2, 3, 4], limit=5) == ()  # nothing repeats
 
 
 # --- metrics and the CLI ------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ from typing import Any
 from tqdm import tqdm
 
 from leanserve.config import EngineConfig, SpeculativeConfig
-from leanserve.engine.llm_engine import LLMEngine, RequestState
+from leanserve.engine.llm_engine import LLMEngine
+from leanserve.engine.sequence import Sequence as EngineSequence
 from leanserve.memory import StageMemory
 from leanserve.outputs import CompletionOutput, Logprob, RequestOutput
 from leanserve.sampling_params import SamplingParams
@@ -101,10 +102,11 @@ class LLM:
         try:
             with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished:
-                    for state in self.engine.step():
-                        i = order[state.seq.seq_id]
-                        results[i] = self._output(state, prompts[i])
-                        bar.update(1)
+                    for update in self.engine.step():
+                        if update.finished:
+                            i = order[update.seq.seq_id]
+                            results[i] = self._output(update.seq, prompts[i])
+                            bar.update(1)
         finally:
             # An interrupted call (Ctrl-C, an error in a step) must not leave its requests queued.
             for seq_id, i in order.items():
@@ -134,27 +136,28 @@ class LLM:
             raise ValueError("The prompt is empty; give at least one token.")
         return self.engine.tokenizer.encode(prompt)
 
-    def _output(self, state: RequestState, prompt: PromptType) -> RequestOutput:
-        seq, tok = state.seq, self.engine.tokenizer
-        text = tok.decode(seq.output_token_ids) if tok is not None else ""
+    def _output(self, seq: EngineSequence, prompt: PromptType) -> RequestOutput:
+        tok = self.engine.tokenizer
+        token_ids = seq.output_token_ids
+        text = tok.decode(token_ids) if tok is not None else ""
         logprobs = None
         if seq.params.logprobs is not None:
             logprobs = []
-            for token in state.sampled:
+            for token in seq.output_tokens:
                 entry = {
                     t: Logprob(lp, rank=r, decoded_token=_decode_one(tok, t)) for r, (t, lp) in enumerate(token.top, 1)
                 }
                 if token.token_id not in entry:
                     entry[token.token_id] = Logprob(token.logprob, decoded_token=_decode_one(tok, token.token_id))
                 logprobs.append(entry)
-        completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, logprobs)
+        completion = CompletionOutput(0, text, token_ids, seq.finish_reason, logprobs)
         return RequestOutput(
             request_id=seq.seq_id,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=list(seq.prompt_token_ids),
             outputs=[completion],
             finished=True,
-            metrics=state.metrics,
+            metrics=seq.metrics,
         )
 
 

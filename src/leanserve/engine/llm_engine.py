@@ -12,29 +12,20 @@ import torch
 
 from leanserve.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from leanserve.engine.pipeline import LaunchSpec, PipelineDriver, in_torchrun, serve_torchrun_stage, torchrun_rank
-from leanserve.engine.proposers import NgramProposer
-from leanserve.engine.runner import SampledToken, SeqOutput, StageRunner, StepPlan
-from leanserve.engine.scheduler import Scheduler
+from leanserve.engine.proposers import NgramProposer, Proposer
+from leanserve.engine.runner import SeqOutput, StageRunner, StepPlan
+from leanserve.engine.scheduler import ScheduledBatch, Scheduler, SeqUpdate
 from leanserve.engine.sequence import Sequence
 from leanserve.engine.topology import PipelineTopology
 from leanserve.memory import StageMemory, format_bytes, format_table
 from leanserve.model import cpu_kernels
 from leanserve.model.loader import checkpoint_dtype, has_mtp_weights
-from leanserve.outputs import RequestMetrics
 from leanserve.sampling_params import SamplingParams
 from leanserve.tokenizer import Tokenizer, generation_eos_ids
 
 logger = logging.getLogger("leanserve")
 
 _INT64 = 2**63
-
-
-@dataclass
-class RequestState:
-    seq: Sequence
-    seed: int
-    metrics: RequestMetrics
-    sampled: list[SampledToken] = field(default_factory=list)
 
 
 @dataclass
@@ -122,12 +113,13 @@ class LLMEngine:
         logger.debug("memory ledger:\n%s", format_table(self.memory_ledger()))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         spec = config.speculative_config
-        self.ngram = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
+        # Where the proposer lives: the n-gram lookup needs no model and runs here, on the first stage, in the
+        # scheduler's update; the MTP layer and a draft model run on the last stage, after verification, and
+        # their drafts come back with the step's tokens.
+        self.proposer: Proposer | None = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         self.spec_metrics = SpecDecodeMetrics(spec.num_speculative_tokens if spec is not None else 0)
         self._rng = random.Random(config.seed)
-        self._requests: dict[int, RequestState] = {}
         self._next_id = 0
-        self.last_new_tokens: dict[int, list[SampledToken]] = {}
 
     def memory_ledger(self) -> list[StageMemory]:
         """Per stage: its weights' bytes and every persistent buffer it allocated, with the feature needing it."""
@@ -159,67 +151,44 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         self.check_request(prompt_token_ids, params)
         seq_id = self._next_id
-        seq = Sequence(seq_id, list(prompt_token_ids), params, eos_token_ids=tuple(self.eos_token_ids))
-        self.scheduler.add(seq)
-        self._next_id += 1
         # Every request gets a seed, so its samples do not depend on what else is in the batch.
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seed = (seed + _INT64) % (2 * _INT64) - _INT64
-        self._requests[seq_id] = RequestState(seq, seed, RequestMetrics(arrival_time=time.perf_counter()))
+        seq = Sequence(seq_id, list(prompt_token_ids), params, eos_token_ids=tuple(self.eos_token_ids), seed=seed)
+        self.scheduler.add(seq)
+        self._next_id += 1
         return seq_id
 
     def abort(self, seq_id: int) -> None:
         self.scheduler.abort(seq_id)
-        self._requests.pop(seq_id, None)
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
     # --- the step -------------------------------------------------------------------------------------
-    def step(self) -> list[RequestState]:
-        """One engine step; returns the requests that finished in it."""
+    def step(self) -> list[SeqUpdate]:
+        """One engine step: schedule -> execute -> update. Returns what every request sampled in it gained
+        (its new tokens, each once, with logprobs), finished requests included with their finish reason."""
         batch = self.scheduler.schedule()
-        self.last_new_tokens = {}
         if batch is None:
             return []
-        seeds = {s.seq.seq_id: self._requests[s.seq.seq_id].seed for s in batch.seqs if s.is_sampled}
-        outputs = self.executor.execute(StepPlan.from_batch(batch, seeds))
+        outputs = self.executor.execute(StepPlan.from_batch(batch))
+        return self._update(batch, outputs)
+
+    def _update(self, batch: ScheduledBatch, outputs: dict[int, SeqOutput]) -> list[SeqUpdate]:
         now = time.perf_counter()
         for s in batch.seqs:
             if s.is_sampled and s.num_drafts:
                 self.spec_metrics.record(s.num_drafts, len(outputs[s.seq.seq_id].tokens) - 1)
-        for seq_id, out in outputs.items():
-            state = self._requests[seq_id]
-            state.sampled.extend(out.tokens)
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-        before = {s.seq.seq_id: len(s.seq.output_token_ids) for s in batch.seqs if s.is_sampled}
-        finished = self.scheduler.update(batch, {k: [t.token_id for t in v.tokens] for k, v in outputs.items()})
-        # What each sequence gained this step (tokens after a stop are dropped), for streaming callers.
-        self.last_new_tokens = {
-            seq_id: list(outputs[seq_id].tokens[: len(s.output_token_ids) - before[seq_id]])
-            for seq_id, s in ((s.seq.seq_id, s.seq) for s in batch.seqs if s.is_sampled)
-        }
-        done = []
-        for seq in finished:
-            state = self._requests.pop(seq.seq_id)
-            del state.sampled[len(seq.output_token_ids) :]  # tokens after a stop are not part of the output
-            state.metrics.finished_time = now
-            done.append(state)
-        self._set_drafts(batch, outputs)
-        return done
-
-    def _set_drafts(self, batch, outputs) -> None:
-        for s in batch.seqs:
-            seq = s.seq
-            if not s.is_sampled or seq.is_finished:
-                continue
-            if self.ngram is not None:
-                limit = seq.params.max_tokens - len(seq.output_token_ids) - 1
-                seq.spec_token_ids = self.ngram.propose(seq.all_token_ids, limit)
-            else:
-                seq.spec_token_ids = outputs[seq.seq_id].drafts
+        updates = self.scheduler.update(batch, outputs, self.proposer)
+        for u in updates:
+            m = u.seq.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            if u.finished:
+                m.finished_time = now
+        return updates
 
     def spec_decode_metrics(self) -> dict:
         return self.spec_metrics.as_dict()

@@ -4,7 +4,11 @@
   streams (the `target_hidden_states` rows of this step) and the embedding of token t+1, and predicts token
   t+2; further drafts feed its own output streams back in.
 - `DraftModelProposer` (last stage): a second, smaller DeepSeek-V4 checkpoint with caches of its own.
-- `NgramProposer` (first stage, no model): prompt lookup over each sequence's own tokens.
+- `NgramProposer` (first stage, no model): prompt lookup over each sequence's own tokens, called by the
+  scheduler's update once the step's tokens are appended.
+
+All three are `Proposer`s: `propose(items, seeds)` takes one `ProposeItem` per chunk of the step just verified
+and returns each wanting sequence's drafts.
 
 After verification the model proposers first run over every position this step made final (a prefill chunk,
 or the verified token and its accepted drafts), so their caches always hold every committed position; then
@@ -15,6 +19,7 @@ are simply overwritten later. A sampled request's drafts are sampled from the dr
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from dataclasses import dataclass
 
@@ -43,9 +48,23 @@ class ProposeItem:
     params: SamplingParams | None = None
     step: int = 0  # output index of the first draft
     num_drafts: int = 0  # how many to propose (the request's remaining budget caps it)
+    # Every token of the sequence so far, the newest last: given on the first stage (the n-gram lookup reads
+    # it), empty on the last stage, where the model proposers read their caches instead.
+    history: tuple[int, ...] = ()
 
 
-class ModelProposer:
+class Proposer(abc.ABC):
+    """Proposes up to `k` draft tokens per sequence for the next step to verify."""
+
+    k: int
+
+    @abc.abstractmethod
+    def propose(self, items: list[ProposeItem], seeds: dict[int, int]) -> dict[int, tuple[int, ...]]:
+        """`items`: one per chunk of the step just verified (in batch order). Returns seq_id -> at most
+        `num_drafts` drafts for the items with a seq_id; `seeds`: seq_id -> the request's sampling seed."""
+
+
+class ModelProposer(Proposer):
     """Shared by the MTP layer and a draft model: catch up over the committed positions, then draft."""
 
     def __init__(self, k: int, vocab: int, num_slots: int, sampler: Sampler, ledger: MemoryLedger, feature: str):
@@ -173,14 +192,18 @@ class DraftModelProposer(ModelProposer):
         return None, self.model(fb, self.caches)
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup: the longest n-gram (prompt_lookup_max down to prompt_lookup_min) that ends the sequence
     and occurred earlier in it proposes the k tokens that followed its latest earlier occurrence."""
 
     def __init__(self, spec: SpeculativeConfig) -> None:
         self.k, self.nmin, self.nmax = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
 
-    def propose(self, token_ids: list[int], limit: int) -> tuple[int, ...]:
+    def propose(self, items: list[ProposeItem], seeds: dict[int, int]) -> dict[int, tuple[int, ...]]:
+        return {it.seq_id: self.lookup(it.history, it.num_drafts) for it in items if it.seq_id is not None}
+
+    def lookup(self, token_ids: tuple[int, ...] | list[int], limit: int) -> tuple[int, ...]:
+        """Up to min(k, limit) tokens that followed the latest earlier occurrence of the sequence's ending."""
         k = min(self.k, limit)
         if k <= 0:
             return ()

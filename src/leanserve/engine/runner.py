@@ -12,19 +12,13 @@ from leanserve.config import EngineConfig, ModelConfig
 from leanserve.engine.proposers import DraftModelProposer, MTPProposer, ProposeItem
 from leanserve.engine.sampler import Sampler, _is_greedy
 from leanserve.engine.scheduler import ScheduledBatch
+from leanserve.engine.sequence import SampledToken, SeqOutput
 from leanserve.memory import PIPELINE, SPEC_DRAFT, SPEC_MTP, MemoryLedger, StageMemory, weights_bytes
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.cache import CacheGeometry
 from leanserve.model.deepseek_v4 import StageLayout, build_model
 from leanserve.model.loader import load_weights
 from leanserve.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
 
 
 @dataclass(frozen=True)
@@ -45,15 +39,6 @@ class SampleSpec:
 
 
 @dataclass(frozen=True)
-class SeqOutput:
-    """A sequence's result of one step: its accepted drafts, then one sampled token; and the drafts proposed
-    for the next step (the model proposers run on the last stage)."""
-
-    tokens: tuple[SampledToken, ...]
-    drafts: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
 class StepPlan:
     """Everything any stage needs for one step, built once by the first stage and sent to the others.
     Each chunk's `start` is its sequence's committed token count, so every stage learns the committed
@@ -71,18 +56,17 @@ class StepPlan:
         return sum(len(c.token_ids) for c in self.chunks)
 
     @classmethod
-    def from_batch(cls, batch: ScheduledBatch, seeds: dict[int, int]) -> StepPlan:
+    def from_batch(cls, batch: ScheduledBatch) -> StepPlan:
         chunks, rows, samples, next_tokens = [], [], [], []
         offset = 0
         for s in batch.seqs:
-            chunks.append(Chunk(s.slot, s.start, tuple(s.token_ids)))
+            chunks.append(Chunk(s.slot, s.start, s.token_ids))
             offset += s.num_tokens
             seq = s.seq
             if s.is_sampled:
                 rows.extend(range(offset - 1 - s.num_drafts, offset))
-                drafts = tuple(s.token_ids[len(s.token_ids) - s.num_drafts :])
-                step = len(seq.output_token_ids)
-                samples.append(SampleSpec(seq.seq_id, seq.params, seeds[seq.seq_id], step, s.slot, drafts))
+                step = seq.num_output_tokens
+                samples.append(SampleSpec(seq.seq_id, seq.params, seq.seed, step, s.slot, s.draft_token_ids))
                 next_tokens.append(-1)
             else:
                 end = s.start + s.num_tokens
@@ -205,7 +189,17 @@ class StageRunner:
     ) -> IntermediateStreams | dict[int, SeqOutput]:
         """Runs this stage's part of one step on the previous stage's streams (none on the first stage):
         returns this stage's streams (non-last stage) or the sampled token of every sequence in
-        plan.samples (last stage)."""
+        plan.samples (last stage).
+
+        propose=False skips the model proposer (MTP layer or draft model) this step: no drafts come back, and
+        its cache misses this step's positions (later drafts may be worse, never wrong). capture_hidden=False
+        skips copying the pre-hc_head streams into the target-hidden buffer, which only the MTP proposer
+        reads, so it needs propose=False on an MTP runner."""
+        if propose and not capture_hidden and isinstance(self.proposer, MTPProposer):
+            raise ValueError(
+                "execute(propose=True, capture_hidden=False): the MTP proposer reads the target-hidden streams "
+                "this step captures; pass propose=False too, or keep capture_hidden=True."
+            )
         self._check_committed(plan)
         last = self.layout.is_last
         logits_index = list(plan.logits_rows) if last else None
@@ -215,7 +209,7 @@ class StageRunner:
         if not last:
             return IntermediateStreams(out)
         tokens = self._verify(out, plan.samples) if plan.samples else {}
-        drafts = self._propose(plan, tokens) if self.proposer is not None and propose else {}
+        drafts = self._propose(plan, tokens) if propose and self.proposer is not None else {}
         return {seq_id: SeqOutput(t, drafts.get(seq_id, ())) for seq_id, t in tokens.items()}
 
     def _check_committed(self, plan: StepPlan) -> None:

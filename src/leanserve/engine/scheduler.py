@@ -4,7 +4,8 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
-from leanserve.engine.sequence import Sequence, SequenceStatus
+from leanserve.engine.proposers import ProposeItem, Proposer
+from leanserve.engine.sequence import SampledToken, SeqOutput, Sequence, SequenceStatus
 from leanserve.engine.slots import CacheSlots
 
 
@@ -12,20 +13,47 @@ from leanserve.engine.slots import CacheSlots
 class ScheduledSeq:
     seq: Sequence
     start: int  # position of the first token fed this step (== seq.num_computed_tokens at schedule time)
-    num_tokens: int  # tokens fed this step: a prefill chunk, or 1 for a decode
     slot: int
-    # seq.all_token_ids[start : start + num_tokens - num_drafts], then the draft tokens to verify
-    token_ids: tuple[int, ...]
+    # seq.all_token_ids[start : start + len(fed_token_ids)]: a prefill chunk, or the newest token for a decode
+    fed_token_ids: tuple[int, ...]
     # True when this step reaches the end of the sequence's known tokens, so the logit row of its last
     # fed token is sampled. False only for a non-final chunk of a chunked prefill.
     is_sampled: bool
-    num_drafts: int = 0  # speculative tokens at the end of token_ids (counted in num_tokens)
+    # Speculative tokens for the positions after the fed ones, to verify (only on a sampled chunk).
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The chunk the model sees: the fed tokens, then the drafts."""
+        return self.fed_token_ids + self.draft_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.fed_token_ids) + len(self.draft_token_ids)
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.draft_token_ids)
 
 
 @dataclass(frozen=True)
 class ScheduledBatch:
     seqs: tuple[ScheduledSeq, ...]
     num_tokens: int  # sum of seqs[i].num_tokens; <= max_num_batched_tokens
+
+
+@dataclass(frozen=True)
+class SeqUpdate:
+    """What one sampled sequence gained in a step: its new tokens (up to the one that finished it: tokens after
+    a stop are not part of the output), and its finish reason when the step finished it."""
+
+    seq: Sequence
+    new_tokens: tuple[SampledToken, ...]
+    finish_reason: str | None = None  # "stop" | "length" when finished this step
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class Scheduler:
@@ -110,9 +138,7 @@ class Scheduler:
                 break
             extra = self._drafts(s, budget)
             if extra:
-                out[i] = dataclasses.replace(
-                    s, num_tokens=s.num_tokens + len(extra), token_ids=s.token_ids + extra, num_drafts=len(extra)
-                )
+                out[i] = dataclasses.replace(s, draft_token_ids=extra)
                 budget -= len(extra)
         while self._waiting and self.slots.num_free > 0 and len(out) < self.max_num_seqs and budget > 0:
             seq = self._waiting.popleft()
@@ -124,29 +150,53 @@ class Scheduler:
             return None
         return ScheduledBatch(seqs=tuple(out), num_tokens=self.max_num_batched_tokens - budget)
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[Sequence]:
-        # sampled: seq_id -> the accepted drafts and the sampled token, for every ScheduledSeq with is_sampled.
-        # Returns the sequences finished now.
-        finished: list[Sequence] = []
+    def update(
+        self, batch: ScheduledBatch, outputs: dict[int, SeqOutput], proposer: Proposer | None = None
+    ) -> list[SeqUpdate]:
+        """The step's bookkeeping. outputs: seq_id -> the accepted drafts and the sampled token (and the last
+        stage's drafts for the next step), for every ScheduledSeq with is_sampled. Appends each sequence's
+        tokens up to the first that finishes it, commits the counts, finishes sequences, and stores the next
+        drafts: the outputs' (a model proposer on the last stage), or `proposer`'s when it is given (a proposer
+        on the first stage, fed each sequence's tokens). Returns one SeqUpdate per sampled sequence, in batch
+        order, finished ones included (not those aborted since schedule())."""
+        updates: list[SeqUpdate] = []
+        wanting: list[ProposeItem] = []
+        row = 0
         for s in batch.seqs:
-            seq = s.seq
+            seq, first_row = s.seq, row
+            row += s.num_tokens
             if seq.is_finished:  # aborted between schedule() and update(); its slot is already free
                 continue
             assert seq.num_computed_tokens == s.start, "update() must follow the schedule() of this batch"
-            seq.num_computed_tokens += s.num_tokens - s.num_drafts
+            seq.num_computed_tokens += len(s.fed_token_ids)
             seq.spec_token_ids = ()
             if not s.is_sampled:
                 continue
+            out = outputs[seq.seq_id]
+            new, reason = self._append_tokens(seq, out.tokens)
             # Accepted drafts, then one sampled token: the accepted drafts' cache entries are committed
             # (rejected ones are left behind, to be overwritten: the cache is addressed by position).
-            tokens = sampled[seq.seq_id]
-            seq.num_computed_tokens += len(tokens) - 1
-            reason = self._append_tokens(seq, tokens)
+            seq.num_computed_tokens += len(new) - 1
+            updates.append(SeqUpdate(seq, new, reason))
             if reason is not None:
                 self._running.remove(seq)
                 self._finish(seq, reason)
-                finished.append(seq)
-        return finished
+            elif proposer is None:
+                seq.spec_token_ids = out.drafts
+            else:
+                known = tuple(seq.token_ids_between(s.start, seq.num_tokens))  # positions [start, committed]
+                # Only what the request can still use (one token always comes with the drafts).
+                n = max(0, min(proposer.k, seq.params.max_tokens - seq.num_output_tokens - 1))
+                item = ProposeItem(
+                    seq.slot, s.start, known, first_row, seq.seq_id, seq.params, seq.num_output_tokens, n,
+                    tuple(seq.all_token_ids),
+                )  # fmt: skip
+                wanting.append(item)
+        if wanting:
+            drafts = proposer.propose(wanting, {it.seq_id: self._live[it.seq_id].seed for it in wanting})
+            for seq_id, d in drafts.items():
+                self._live[seq_id].spec_token_ids = tuple(d)
+        return updates
 
     def _take(self, seq: Sequence, budget: int, out: list[ScheduledSeq]) -> int:
         # Schedules min(uncomputed, budget) tokens of a RUNNING seq into out; returns how many.
@@ -159,9 +209,8 @@ class Scheduler:
             ScheduledSeq(
                 seq=seq,
                 start=start,
-                num_tokens=n,
                 slot=seq.slot,
-                token_ids=tuple(seq.token_ids_between(start, start + n)),
+                fed_token_ids=tuple(seq.token_ids_between(start, start + n)),
                 is_sampled=start + n == seq.num_tokens,
             )
         )
@@ -173,21 +222,22 @@ class Scheduler:
         seq = s.seq
         if not s.is_sampled or not seq.spec_token_ids:
             return ()
-        room = min(budget, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        room = min(budget, seq.params.max_tokens - seq.num_output_tokens - 1)
         return seq.spec_token_ids[: max(room, 0)]
 
     @staticmethod
-    def _append_tokens(seq: Sequence, tokens: list[int]) -> str | None:
+    def _append_tokens(seq: Sequence, tokens: tuple[SampledToken, ...]) -> tuple[tuple[SampledToken, ...], str | None]:
         # Appends tokens in order, stopping at the first one that finishes the sequence (later ones are
-        # dropped). Returns the finish reason, or None if the sequence continues.
+        # dropped). Returns the tokens appended and the finish reason (None if the sequence continues).
         p = seq.params
-        for tok in tokens:
-            seq.output_token_ids.append(tok)
-            if (tok in seq.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-                return "stop"
-            if len(seq.output_token_ids) >= p.max_tokens:
-                return "length"
-        return None
+        for i, tok in enumerate(tokens):
+            seq.output_tokens.append(tok)
+            t = tok.token_id
+            if (t in seq.eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids:
+                return tuple(tokens[: i + 1]), "stop"
+            if seq.num_output_tokens >= p.max_tokens:
+                return tuple(tokens[: i + 1]), "length"
+        return tuple(tokens), None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         # Caller has already removed seq from _waiting/_running. The slot is reusable immediately.

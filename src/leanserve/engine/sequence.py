@@ -1,11 +1,33 @@
+"""A request's token state: its prompt, its sampled tokens (each stored once, with its logprobs), its committed
+count and the drafts waiting to be verified. Also the per-token types the runner and the scheduler share."""
+
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from leanserve.outputs import RequestMetrics
+
 if TYPE_CHECKING:
     from leanserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class SeqOutput:
+    """A sequence's result of one step: its accepted drafts, then one sampled token; and the drafts proposed
+    for the next step (the model proposers run on the last stage)."""
+
+    tokens: tuple[SampledToken, ...]
+    drafts: tuple[int, ...] = ()
 
 
 class SequenceStatus(enum.Enum):
@@ -14,13 +36,19 @@ class SequenceStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
+def _now() -> RequestMetrics:
+    return RequestMetrics(arrival_time=time.perf_counter())
+
+
 @dataclass
 class Sequence:
     seq_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    output_token_ids: list[int] = field(default_factory=list)
+    seed: int = 0  # the request's sampling seed, so its samples do not depend on what else is in the batch
+    # Every sampled token of the output, in order, with its logprobs: the only store of the output.
+    output_tokens: list[SampledToken] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose KV is committed in the cache; the cache state is a function of this number, so
     # lowering it (rollback) is enough to discard entries past it. The newest sampled token is not
@@ -30,6 +58,16 @@ class Sequence:
     # Draft tokens proposed for the positions after the newest token, verified by the next step.
     spec_token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None  # "stop" | "length" | "abort" once FINISHED
+    metrics: RequestMetrics = field(default_factory=_now)  # arrival, first token and finish times
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The output's token ids (a fresh list, derived from output_tokens)."""
+        return [t.token_id for t in self.output_tokens]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -37,7 +75,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_tokens)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -52,10 +90,10 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
-        # Same as all_token_ids[start:end] without copying the whole prompt (decode steps touch 1 token).
+        # Same as all_token_ids[start:end] without copying the whole sequence (decode steps touch 1 token).
         p = len(self.prompt_token_ids)
         if start >= p:
-            return self.output_token_ids[start - p : end - p]
+            return [t.token_id for t in self.output_tokens[start - p : end - p]]
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+        return self.prompt_token_ids[start:] + [t.token_id for t in self.output_tokens[: end - p]]

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from leanserve.engine.llm_engine import LLMEngine
-from leanserve.engine.runner import SampledToken
+from leanserve.engine.sequence import SampledToken
 from leanserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("leanserve")
@@ -152,14 +152,13 @@ class AsyncEngine:
 
     def _step(self) -> None:
         start = time.perf_counter()
-        finished = {state.seq.seq_id: state.seq.finish_reason for state in self.engine.step()}
-        for seq_id, tokens in self.engine.last_new_tokens.items():
+        for update in self.engine.step():
+            seq_id = update.seq.seq_id
             stream = self._streams.get(seq_id)
             if stream is None:
                 continue
-            reason = finished.get(seq_id)
-            _post(stream.loop, stream.queue.put_nowait, Delta(tokens, reason))
-            if reason is not None:
+            _post(stream.loop, stream.queue.put_nowait, Delta(list(update.new_tokens), update.finish_reason))
+            if update.finished:
                 del self._streams[seq_id]
         if self.on_step is not None:
             self.on_step(time.perf_counter() - start)
