@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Same-process A/B of one stage's step time: this checkout's leanserve against the code at a git ref, both
+loaded in one process (the old one as a renamed copy, `leanserve_ab`), their steps alternating on caches of
+their own, so that the machine's drift hits both alike. Prints medians and new/old ratios:
+
+    .venv/bin/python scripts/ab_step.py --ref c53250c --model models/dsv4-stdlib-8m --batch-sizes 1,8,32 \
+        --dtypes float32,bfloat16 --prefill 2048
+
+A decode step rewrites the same position each round (a rollback by one), so every round does the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+OLD = "leanserve_ab"
+
+
+def load_old(ref: str, repo: Path, into: Path):
+    """The package at `ref`, unpacked under `into` as OLD, its imports renamed; imported."""
+    archive = into / "old.tar"
+    subprocess.run(["git", "-C", str(repo), "archive", "-o", str(archive), ref, "src/leanserve"], check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    src = into / "src" / "leanserve"
+    for path in src.rglob("*.py"):
+        text = path.read_text()
+        path.write_text(re.sub(r"\bleanserve\.", f"{OLD}.", re.sub(r"from leanserve import", f"from {OLD} import", text)))
+    src.rename(into / OLD)
+    sys.path.insert(0, str(into))
+    return importlib.import_module(OLD)
+
+
+def runner(pkg: str, model: str, dtype: str, batch: int, max_len: int, tokens: int):
+    cfg_mod = importlib.import_module(f"{pkg}.config")
+    run_mod = importlib.import_module(f"{pkg}.engine.runner")
+    topo = importlib.import_module(f"{pkg}.engine.topology")
+    eng = importlib.import_module(f"{pkg}.engine.llm_engine")
+    cfg = cfg_mod.ModelConfig.from_hf(model)
+    config = cfg_mod.EngineConfig(model, max_model_len=max_len, max_num_seqs=batch, max_num_batched_tokens=tokens)
+    layout = topo.PipelineTopology.build(cfg, 1).layout(0)
+    r = run_mod.StageRunner(cfg, config, layout, eng.resolve_dtype(dtype, model), max_len, progress=False)
+    r.warmup()
+    return r
+
+
+def plans(pkg: str, batch: int, start: int, prompt: int):
+    run_mod = importlib.import_module(f"{pkg}.engine.runner")
+    chunk = importlib.import_module(f"{pkg}.model.batch").Chunk
+    greedy = importlib.import_module(f"{pkg}.sampling_params").SamplingParams(temperature=0.0)
+    prefill = run_mod.StepPlan(tuple(chunk(s, 0, tuple(range(3, 3 + prompt))) for s in range(batch)), (), ())
+    chunks = tuple(chunk(s, start, (5,)) for s in range(batch))
+    samples = tuple(run_mod.SampleSpec(s, greedy, 0, 0, s) for s in range(batch))
+    return prefill, run_mod.StepPlan(chunks, tuple(range(batch)), samples)
+
+
+def ab(pair, plans_pair, repeats: int) -> tuple[float, float]:
+    times = ([], [])
+    for r in range(repeats):
+        for i in (0, 1) if r % 2 else (1, 0):
+            start = time.perf_counter()
+            pair[i].execute(plans_pair[i])
+            times[i].append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ref", required=True, help="the git ref to compare with (the old code)")
+    p.add_argument("--model", default="models/dsv4-stdlib-8m")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill timed (0: none)")
+    p.add_argument("--repeats", type=int, default=60, help="decode rounds per arm (prefill: a tenth)")
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens before the decode steps")
+    a = p.parse_args()
+    import torch
+
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        load_old(a.ref, repo, Path(tmp))
+        print(f"{'dtype':>9} {'step':>12} {'old ms':>9} {'new ms':>9} {'new/old':>8}")
+        for dtype in a.dtypes.split(","):
+            for batch in [int(b) for b in a.batch_sizes.split(",")]:
+                length = a.prompt + 8
+                pair = [runner(pkg, a.model, dtype, batch, length, max(256, batch * a.prompt)) for pkg in (OLD, "leanserve")]
+                both = [plans(pkg, batch, a.prompt, a.prompt) for pkg in (OLD, "leanserve")]
+                with torch.inference_mode():
+                    for r, (pre, _) in zip(pair, both, strict=True):
+                        r.execute(pre)
+                    old, new = ab(pair, [d for _, d in both], a.repeats)
+                print(f"{dtype:>9} {f'decode b={batch}':>12} {old * 1e3:9.3f} {new * 1e3:9.3f} {new / old:8.3f}")
+            if a.prefill:
+                n = a.prefill
+                pair = [runner(pkg, a.model, dtype, 1, n + 1, n) for pkg in (OLD, "leanserve")]
+                both = [plans(pkg, 1, 0, n)[0] for pkg in (OLD, "leanserve")]
+                with torch.inference_mode():
+                    old, new = ab(pair, both, max(4, a.repeats // 10))
+                print(f"{dtype:>9} {f'prefill {n}':>12} {old * 1e3:9.3f} {new * 1e3:9.3f} {new / old:8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
