@@ -49,7 +49,9 @@ def test_generation_after_warmup_compiles_nothing(monkeypatch):
             # Long enough that the CSA layers' indexer selects (more than index_topk * ratio positions) during
             # the prefill, over more than one query block, and in every decode step after it.
             long_prompt = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(20))
-            assert len(tok.encode(long_prompt)) > max(2 * batch.PREFILL_BLOCK, (cfg.index_topk + 1) * cfg.compress_rate_csa)
+            assert len(tok.encode(long_prompt)) > max(
+                2 * batch.PREFILL_BLOCK, (cfg.index_topk + 1) * cfg.compress_rate_csa
+            )
             selected = []  # the indexer's top-k selection runs during the generation (not only in the warm-up)
             select = cpu_kernels.index_select
             monkeypatch.setattr(cpu_kernels, "index_select", lambda *a: selected.append(a[0]) or select(*a))
