@@ -147,14 +147,36 @@ class StageRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Throw-away forwards, so first-call costs (loading the compiled kernels' variants, the allocator) are
-        not billed to the first request: a short prefill chunk (the torch path), then a one-token decode step
-        (the numpy path), through the trunk and the drafter when there is one. They write positions of slot 0,
-        which no sequence has committed yet (a request's prefill overwrites them)."""
-        n = max(1, min(16, self.geometry.max_model_len - 1, self.max_num_batched_tokens - 1))
-        hc, hidden = self.cfg.hc_mult, self.cfg.hidden_size
-        for chunk in (Chunk(0, 0, [0] * n), Chunk(0, n, [0])):
-            size = len(chunk.token_ids)
+        """Throw-away forwards, so first-call costs (compiling or loading the kernels' variants, the allocator)
+        are not billed to the first request, through the trunk and the drafter when there is one. Each kernel
+        has a threaded and a one-thread build, taken by the call's size, and some take other array layouts for
+        one token than for several, so the warm-up runs one step of each shape a request's steps take:
+          - a long prefill chunk (the torch path; threaded builds), past index_topk compressed rows of the CSA
+            layers (their indexer's top-k selection) and over more than one query block;
+          - prefill chunks of 16 tokens and of a few (the torch path's few-row kernels: threaded, one-thread);
+          - a one-token decode step (the decode path), and with speculation a verification-sized step too.
+        They write positions of slot 0, which no sequence has committed yet (a request's prefill overwrites
+        them). Each chunk fits max_num_batched_tokens; all of them fit max_model_len, shortening the first."""
+        from leanserve.config import CSA
+        from leanserve.model.batch import PREFILL_BLOCK
+
+        cfg, geo = self.cfg, self.geometry
+        short = 1 + geo.window_ring - geo.window  # the longest chunk that takes the decode path
+        cap = max(1, self.max_num_batched_tokens)
+        tail = [min(max(16, short + 1), cap), min(short + 1, cap), 1] + ([min(short, cap)] if short > 1 else [])
+        long = 2 * PREFILL_BLOCK  # threaded attention over two query blocks
+        if CSA in cfg.layer_types and cfg.index_topk > 0:  # a query seeing index_topk + 1 compressed rows
+            long = max(long, (cfg.index_topk + 1) * cfg.compress_rate_csa)
+        long = min(long, cap, geo.max_model_len - sum(tail))
+        hc, hidden = cfg.hc_mult, cfg.hidden_size
+        start = 0
+        for size in (long, *tail):
+            if size < 1:
+                continue
+            if start + size > geo.max_model_len:
+                break
+            chunk = Chunk(0, start, [0] * size)
+            start += size
             fb = build_forward_batch([chunk], self.geometry, logits_index=[size - 1], device=self.device)
             streams = None
             if not self.layout.is_first:

@@ -1,0 +1,71 @@
+"""StageRunner.warmup compiles (or loads from numba's cache) every kernel variant a request's steps take, so
+no compilation lands inside a timed step: after the engine is built, generating compiles no new signature."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+numba = pytest.importorskip("numba")
+
+from leanserve import LLM, SamplingParams  # noqa: E402
+from leanserve.config import CSA, ModelConfig  # noqa: E402
+from leanserve.model import batch, cpu_kernels  # noqa: E402
+
+MODEL = Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-8m"
+
+
+def _dispatchers() -> dict[str, object]:
+    """Every numba dispatcher the model's steps call: the kernels (both builds of each Threaded one) and the
+    step metadata kernels of model/batch.py."""
+    found = {}
+    for name, obj in vars(cpu_kernels).items():
+        if isinstance(obj, numba.core.dispatcher.Dispatcher):
+            found[name] = obj
+        elif isinstance(obj, cpu_kernels.Threaded):
+            found[f"{name}.one"], found[f"{name}.all"] = obj.one, obj.all
+    for fn in batch._short_kernels or ():
+        found[f"batch.{fn.py_func.__name__}"] = fn
+    return found
+
+
+def _signatures(dispatchers: dict[str, object]) -> dict[str, set]:
+    return {name: set(d.signatures) for name, d in dispatchers.items()}
+
+
+def test_generation_after_warmup_compiles_nothing(monkeypatch):
+    cfg = ModelConfig.from_hf(MODEL)
+    assert CSA in cfg.layer_types and cfg.index_topk > 0  # the model has an indexer that selects
+    dispatchers = _dispatchers()
+    for name in ("attend.one", "attend.all", "moe_tokens.one", "index_select.one", "index_select.all", "compress.one"):
+        assert name in dispatchers, name
+    # conftest runs one thread; two here, so that steps (and the warm-up) also take the threaded builds
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with LLM(model=str(MODEL), max_num_seqs=2, max_model_len=512, load_progress=False) as llm:
+            warmed = _signatures(dispatchers)
+            tok = llm.get_tokenizer()
+            # Long enough that the CSA layers' indexer selects (more than index_topk * ratio positions) during
+            # the prefill, over more than one query block, and in every decode step after it.
+            long_prompt = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(20))
+            assert len(tok.encode(long_prompt)) > max(
+                2 * batch.PREFILL_BLOCK, (cfg.index_topk + 1) * cfg.compress_rate_csa
+            )
+            selected = []  # the indexer's top-k selection runs during the generation (not only in the warm-up)
+            select = cpu_kernels.index_select
+            monkeypatch.setattr(cpu_kernels, "index_select", lambda *a: selected.append(a[0]) or select(*a))
+            params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            for prompts in (["x"], ["def fibonacci(n):"], [long_prompt], ["import os\n" * 6, "class A:"]):
+                outs = llm.generate(prompts, params)
+                assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+            after = _signatures(dispatchers)
+    finally:
+        torch.set_num_threads(threads)
+    new = {name: sorted(map(str, after[name] - warmed[name])) for name in dispatchers if after[name] - warmed[name]}
+    assert not new, f"compiled after the warm-up: {new}"
+    # Not vacuous: the warm-up compiled the attention, MoE, indexer and compressor kernels, and the generation
+    # ran the indexer's selection, in prefill (several query blocks) and decode (one) steps.
+    for name in ("attend", "moe_tokens", "index_select", "compress", "hc_pre", "linear"):
+        assert warmed[f"{name}.one"] | warmed[f"{name}.all"], name
+    assert 1 in selected and max(selected) > 1, selected
