@@ -34,7 +34,9 @@ def load_old(ref: str, repo: Path, into: Path):
     src = into / "src" / "leanserve"
     for path in src.rglob("*.py"):
         text = path.read_text()
-        path.write_text(re.sub(r"\bleanserve\.", f"{OLD}.", re.sub(r"from leanserve import", f"from {OLD} import", text)))
+        path.write_text(
+            re.sub(r"\bleanserve\.", f"{OLD}.", re.sub(r"from leanserve import", f"from {OLD} import", text))
+        )
     src.rename(into / OLD)
     sys.path.insert(0, str(into))
     return importlib.import_module(OLD)
@@ -82,8 +84,12 @@ def main() -> int:
     p.add_argument("--prefill", type=int, default=2048, help="tokens of the prefill timed (0: none)")
     p.add_argument("--repeats", type=int, default=60, help="decode rounds per arm (prefill: a tenth)")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens before the decode steps")
+    p.add_argument("--threads", type=int, default=None, help="torch (and kernel) threads; default torch's")
     a = p.parse_args()
     import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
 
     repo = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,7 +98,9 @@ def main() -> int:
         for dtype in a.dtypes.split(","):
             for batch in [int(b) for b in a.batch_sizes.split(",")]:
                 length = a.prompt + 8
-                pair = [runner(pkg, a.model, dtype, batch, length, max(256, batch * a.prompt)) for pkg in (OLD, "leanserve")]
+                pair = [
+                    runner(pkg, a.model, dtype, batch, length, max(256, batch * a.prompt)) for pkg in (OLD, "leanserve")
+                ]
                 both = [plans(pkg, batch, a.prompt, a.prompt) for pkg in (OLD, "leanserve")]
                 with torch.inference_mode():
                     for r, (pre, _) in zip(pair, both, strict=True):

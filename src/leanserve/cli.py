@@ -41,6 +41,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "torch", "cpu"],
+        help="the model's math: the CPU kernels (cpu) or torch everywhere (torch); auto: the kernels where they run",
+    )
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -228,6 +234,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "pipeline_layer_counts": args.pipeline_layer_counts,
         "speculative_config": args.speculative_config,
         "max_model_len": args.max_model_len,
+        "backend": args.backend,
     }
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) is not None:

@@ -61,6 +61,10 @@ class TorchBackend:
     def hc_head(self, streams: torch.Tensor, w: MixWeights) -> torch.Tensor:
         return hyper.hc_head(streams, w)
 
+    def head_hidden(self, owner, streams: torch.Tensor) -> torch.Tensor:
+        """hc_head of a module with a head (the last stage, the MTP layer): its `head_mix()` over `streams`."""
+        return self.hc_head(streams, owner.head_mix())
+
     # --- whole pieces (their torch statement lives on the module) --------------------------------------
     def compress(self, comp, kv, gate, meta, kv_ring, gate_ring, rows, row_rope) -> None:
         comp.step_torch(kv, gate, meta, kv_ring, gate_ring, rows, row_rope)

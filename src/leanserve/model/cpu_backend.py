@@ -64,7 +64,7 @@ def numpy_views(obj):
 
 
 def _tensors(obj) -> list[torch.Tensor]:
-    """Every tensor of a typed weights value (a plan is current while their storages are)."""
+    """Every tensor of a typed weights value."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if dataclasses.is_dataclass(obj):
@@ -79,7 +79,20 @@ class CpuBackend(TorchBackend):
 
     def __init__(self) -> None:
         self._plans: dict[tuple[int, int], decode.Plan] = {}  # (id(block), id(cache)) -> its decode plan
-        self._mtp_plans: dict[int, object] = {}  # id(MTP block) -> (its tensors' pointers, MTPWeights views)
+        # (id(module), what) -> (its tensors, their pointers, the numpy views of its typed weights)
+        self._kept: dict[tuple[int, str], tuple] = {}
+
+    def kept_views(self, owner, make, tensors=None):
+        """numpy_views(make()) for a module, kept per (module, make) and made again only when one of `tensors` (a
+        function of the typed weights; default: the module's parameters and buffers) changes storage (loading,
+        `.data` assignment)."""
+        key = (id(owner), make.__name__)
+        kept = self._kept.get(key)
+        if kept is None or [t.data_ptr() for t in kept[0]] != kept[1]:
+            w = make()
+            ts = tensors(w) if tensors is not None else [*owner.parameters(), *owner.buffers()]
+            kept = self._kept[key] = (ts, [t.data_ptr() for t in ts], numpy_views(w))
+        return kept[2]
 
     def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
         """bfloat16 weights meet float32 activations: the kernels widen each weight row as they read it, so a step
@@ -149,6 +162,12 @@ class CpuBackend(TorchBackend):
             return torch.from_numpy(decode.hc_pre_arrays(streams.numpy(), numpy_views(w))[0])
         return super().hc_head(streams, w)
 
+    def head_hidden(self, owner, streams):
+        if not _activations(streams):
+            return super().head_hidden(owner, streams)
+        w = self.kept_views(owner, owner.head_mix, _tensors)  # (a MixWeights holds parameters only)
+        return torch.from_numpy(decode.hc_pre_arrays(streams.numpy(), w)[0])
+
     # --- whole pieces ---------------------------------------------------------------------------------
     def compress(self, comp, kv, gate, meta, kv_ring, gate_ring, rows, row_rope):
         if not _activations(kv, gate, kv_ring, gate_ring, rows):
@@ -157,7 +176,7 @@ class CpuBackend(TorchBackend):
         r = decode.Rings.of(kv_ring, gate_ring, rows)
         decode.compress_arrays(
             kv.numpy(), gate.numpy(), meta.arrays(), r.kv, r.gate, r.rows, angles, meta.write_first,
-            numpy_views(comp.weights()),
+            self.kept_views(comp, comp.weights),
         )  # fmt: skip
 
     def attend(self, attn, q, ring, new_kv, fb, cache, index_queries, rope):
@@ -169,7 +188,7 @@ class CpuBackend(TorchBackend):
         arrays = q.numpy(), ring.numpy(), decode.NO_NEW_KV if new_kv is None else new_kv.numpy()
         angles = torch.view_as_real(rope.contiguous()).numpy()
         iq = None if index_queries is None else (index_queries[0].numpy(), index_queries[1].numpy())
-        w, rows = numpy_views(attn.weights()), decode.cache_rows(cache)
+        w, rows = self.kept_views(attn, attn.weights), decode.cache_rows(cache)
         for g in fb.groups:
             most = g.max_visible[attn.layer_type] if w.compressor is not None else 0
             visible = g.visible[attn.layer_type].numpy() if most else np.zeros(g.q_rows.shape, dtype=np.int64)
@@ -188,7 +207,8 @@ class CpuBackend(TorchBackend):
         if x.shape[0] <= FEW_ROWS and _activations(x):
             w = moe.weights()
             if _weights((w.gate, w.w13, w.w2, w.shared_w1, w.shared_w3, w.shared_w2)):
-                return torch.from_numpy(decode.moe_arrays(x.numpy(), input_ids.numpy(), numpy_views(w)))
+                views = self.kept_views(moe, moe.weights)
+                return torch.from_numpy(decode.moe_arrays(x.numpy(), input_ids.numpy(), views))
         return super().moe(moe, x, input_ids)
 
     # --- decode-sized steps, whole ----------------------------------------------------------------------
@@ -210,33 +230,25 @@ class CpuBackend(TorchBackend):
         key = (id(block), id(cache))
         plan = self._plans.get(key)
         if plan is None or not plan.current():
-            w = block.weights()
-            plan = self._plans[key] = decode.Plan(numpy_views(w), _tensors(w), cache)
+            tensors = [*block.parameters(), *block.buffers()]
+            plan = self._plans[key] = decode.Plan(numpy_views(block.weights()), tensors, cache)
         return plan
 
     def run_blocks(self, model, fb, caches, ropes, streams):
         if not self.decode_step(fb, model.act_dtype):
             return super().run_blocks(model, fb, caches, ropes, streams)
         plans = [self.plan(block, caches[key]) for key, block in model.layers.items()]
-        embed = ck.weight_np(model.embed.weight) if streams is None else None
+        embed = self.kept_views(model.embed, model.embed.table) if streams is None else None
         s = None if streams is None else streams.numpy()
         return torch.from_numpy(decode.run_blocks(embed, plans, model.cfg.hc_mult, decode.Step(fb, ropes), s))
 
     def run_mtp(self, mtp, streams, embedded, fb, cache, ropes):
         if not (self.decode_step(fb, streams.dtype) and _activations(streams, embedded)):
             return super().run_mtp(mtp, streams, embedded, fb, cache, ropes)
-        w = self._mtp_weights(mtp)
+        w = self.kept_views(mtp, mtp.mtp_weights)
         x = decode.mtp_inputs(w, streams.numpy(), embedded.numpy())
         out = decode.block_arrays(self.plan(mtp, cache), x, decode.Step(fb, ropes))
         return torch.from_numpy(decode.hc_pre_arrays(out, w.head)[0]), torch.from_numpy(out)
-
-    def _mtp_weights(self, mtp):
-        kept = self._mtp_plans.get(id(mtp))
-        if kept is None or [t.data_ptr() for t in kept[0]] != kept[1]:
-            w = mtp.mtp_weights()
-            tensors = _tensors(w)
-            kept = self._mtp_plans[id(mtp)] = (tensors, [t.data_ptr() for t in tensors], numpy_views(w))
-        return kept[2]
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

@@ -148,7 +148,7 @@ class DeepseekV4(UsesBackend, nn.Module):
         return MixWeights(fn, base, scale, self.norm.weight, eps, self.cfg.hc_eps, 0)
 
     def head_hidden(self, streams: torch.Tensor) -> torch.Tensor:
-        return self.ops.hc_head(streams, self.head_mix())
+        return self.ops.head_hidden(self, streams)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()

@@ -36,6 +36,10 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
 
+    def table(self) -> torch.Tensor:
+        """The table [vocab, dim] (its typed weights: a backend that embeds on its own reads it)."""
+        return self.weight
+
 
 class RMSNorm(UsesBackend, nn.Module):
     # The weight stays float32 (as in DeepSeek's release); the product is cast back once.

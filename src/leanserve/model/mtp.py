@@ -73,4 +73,4 @@ class MTPBlock(Block):
 
     def head_hidden(self, out: torch.Tensor) -> torch.Tensor:
         """The shared head's input [T, hidden] from the block's output streams: hc_head, then the norm."""
-        return self.ops.hc_head(out, self.head_mix())
+        return self.ops.head_hidden(self, out)
