@@ -54,7 +54,7 @@ def test_linear_and_norms_match_torch(rows, weight_dtype):
     freqs = torch.polar(torch.full_like(angles, 1.3), angles)
     for op, args in [
         ("linears", (x, (w, w2))),
-        ("grouped_linear", (x, grouped_w)),
+        ("grouped_linear", (x, grouped_w.flatten(0, 1))),
         ("rms_norm", (x, 1e-6)),
         ("rms_norm", (x, 1e-6, norm_w)),
         ("norm_rope", (x, freqs, 1e-6)),

@@ -39,6 +39,51 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class Quantization:
+    """How a published checkpoint stores its weights (`quantization_config` and the top-level `expert_dtype`):
+    block-scaled FP8 e4m3 linears (UE8M0 scales per 128x128 block) and FP4 e2m1 or FP8 routed experts. Norms,
+    the embedding, the head, the router, the compressors, mHC, sinks and biases stay unquantized."""
+
+    experts: str = "fp4"  # fp4 | fp8
+    activation_scheme: str = "dynamic"  # (DeepSeek quantizes activations too; leanserve computes them in float)
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "quantization_config": {
+                "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
+                "activation_scheme": self.activation_scheme,
+            },
+            "expert_dtype": self.experts,
+        }  # fmt: skip
+
+
+def parse_quantization(raw: dict[str, Any]) -> Quantization | None:
+    """The checkpoint's quantization from its config fields, or None when it stores plain weights."""
+    qc, expert_dtype = raw.get("quantization_config"), raw.get("expert_dtype")
+    if qc is None:
+        if expert_dtype is not None:
+            raise ConfigError(f"expert_dtype {expert_dtype!r} needs a quantization_config (fp8), and there is none.")
+        return None
+    if not isinstance(qc, dict):
+        raise ConfigError(f"quantization_config must be a JSON object, got {qc!r}.")
+    expected = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0"}
+    for key, want in expected.items():
+        value = qc.get(key, want if key != "quant_method" else None)
+        if value != want:
+            raise ConfigError(f"quantization_config.{key} {value!r} is not supported; leanserve reads {want!r}.")
+    block = qc.get("weight_block_size", [128, 128])
+    if list(block) != [128, 128]:
+        raise ConfigError(f"quantization_config.weight_block_size {block!r} is not supported; it must be [128, 128].")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ConfigError(f"quantization_config.activation_scheme {scheme!r} is not supported; it must be 'dynamic'.")
+    experts = "fp8" if expert_dtype is None else expert_dtype
+    if experts not in ("fp4", "fp8"):
+        raise ConfigError(f"expert_dtype {expert_dtype!r} is not supported; use 'fp4' or 'fp8'.")
+    return Quantization(experts, scheme)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 129280
     hidden_size: int = 4096
@@ -83,6 +128,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     tie_word_embeddings: bool = False
     torch_dtype: str = "bfloat16"
+    quantization: Quantization | None = None  # a published checkpoint's FP8 / FP4 storage; None: plain weights
     # Training-only knobs transformers carries; parsed so a config round-trips, unused at inference.
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
@@ -155,7 +201,7 @@ class ModelConfig:
                 beta_slow=self.compress_rope.beta_slow,
                 attention_factor=self.compress_rope.attention_factor,
             )
-        skip = {"main_rope", "compress_rope", "compress_rate_csa", "compress_rate_hca", "eos_token_ids"}
+        skip = {"main_rope", "compress_rope", "compress_rate_csa", "compress_rate_hca", "eos_token_ids", "quantization"}
         out: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
         for f in fields(self):
             if f.name not in skip:
@@ -173,6 +219,8 @@ class ModelConfig:
             },
             "compress": compress,
         }
+        if self.quantization is not None:
+            out.update(self.quantization.to_hf())
         return out
 
     # --- validation -----------------------------------------------------------------------------------
@@ -312,6 +360,7 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     cfg["eos_token_ids"] = tuple(eos_list)
     dtype = raw.get("dtype", raw.get("torch_dtype", "bfloat16"))
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    cfg["quantization"] = parse_quantization(raw)
     return cfg
 
 

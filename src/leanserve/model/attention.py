@@ -46,7 +46,8 @@ class AttentionWeights:
     wq_b: torch.Tensor
     kv_norm: torch.Tensor
     eps: float  # of the per-head query norm and the kv norm
-    wo_a: torch.Tensor  # [groups, o_lora_rank, heads * head_dim / groups]
+    wo_a: torch.Tensor  # [groups * o_lora_rank, heads * head_dim / groups]: group g's rows g * o_lora_rank...
+    o_groups: int
     wo_b: torch.Tensor
     sink: torch.Tensor  # [heads] float32
     heads: int
@@ -65,14 +66,15 @@ class Attention(UsesBackend, nn.Module):
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.o_groups, self.eps = cfg.o_groups, cfg.rms_norm_eps
         hidden = cfg.hidden_size
-        self.wq_a = Linear(hidden, cfg.q_lora_rank, bias=False)
+        fp8 = "fp8" if cfg.quantization is not None else None  # (the published checkpoints' linears)
+        self.wq_a = Linear(hidden, cfg.q_lora_rank, quant=fp8)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wkv = Linear(hidden, self.head_dim, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, quant=fp8)
+        self.wkv = Linear(hidden, self.head_dim, quant=fp8)
         self.norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         group_in = self.n_heads * self.head_dim // cfg.o_groups
-        self.wo_a = Linear(group_in, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False)
+        self.wo_a = Linear(group_in, cfg.o_groups * cfg.o_lora_rank, quant=fp8)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, hidden, quant=fp8)
         self.attn_sink = fp32_param(self.n_heads)
         self.compressor = None
         self.indexer = None
@@ -88,6 +90,7 @@ class Attention(UsesBackend, nn.Module):
                 cfg.index_topk,
                 ratio,
                 self.eps,
+                fp8,
             )
 
     def input_weights(self) -> tuple[torch.Tensor, ...]:
@@ -98,20 +101,16 @@ class Attention(UsesBackend, nn.Module):
             mods += [self.compressor.wkv, self.compressor.wgate]
         if self.indexer is not None:
             mods += [self.indexer.compressor.wkv, self.indexer.compressor.wgate, self.indexer.weights_proj]
-        return tuple([m.weight for m in mods])
-
-    def grouped_wo_a(self) -> torch.Tensor:
-        """wo_a as one weight per output group: [groups, o_lora_rank, heads * head_dim / groups]."""
-        return self.wo_a.weight.view(self.o_groups, -1, self.n_heads * self.head_dim // self.o_groups)
+        return tuple([m.w() for m in mods])
 
     def weights(self) -> AttentionWeights:
         idx = self.indexer
         indexer = None
         if idx is not None:
-            indexer = IndexerWeights(idx.wq_b.weight, idx.n_heads, idx.head_dim, idx.topk, idx.compressor.weights())
+            indexer = IndexerWeights(idx.wq_b.w(), idx.n_heads, idx.head_dim, idx.topk, idx.compressor.weights())
         return AttentionWeights(
-            self.input_weights(), self.q_norm.weight, self.q_norm.eps, self.wq_b.weight, self.norm.weight, self.eps,
-            self.grouped_wo_a(), self.wo_b.weight, self.attn_sink, self.n_heads, self.head_dim, self.layer_type,
+            self.input_weights(), self.q_norm.weight, self.q_norm.eps, self.wq_b.w(), self.norm.weight, self.eps,
+            self.wo_a.w(), self.o_groups, self.wo_b.w(), self.attn_sink, self.n_heads, self.head_dim, self.layer_type,
             self.rope_kind, self.compressor.weights() if self.compressor is not None else None, indexer,
         )  # fmt: skip
 
@@ -145,7 +144,7 @@ class Attention(UsesBackend, nn.Module):
 
         # Grouped low-rank output projection: each group of heads -> o_lora_rank, then mix to hidden.
         grouped = out.reshape(num_tokens, self.o_groups, -1)  # [T, G, H*D/G]
-        return self.wo_b(self.ops.grouped_linear(grouped, self.grouped_wo_a()).flatten(1))
+        return self.wo_b(self.ops.grouped_linear(grouped, self.wo_a.w()).flatten(1))
 
     def attend_torch(self, q, ring, new_kv, fb: ForwardBatch, cache: LayerCache, index_queries, rope) -> torch.Tensor:
         store = ring if new_kv is None else torch.cat([ring, new_kv])

@@ -103,10 +103,11 @@ class Indexer(UsesBackend, nn.Module):
         topk: int,
         ratio: int,
         eps: float,
+        quant: str | None = None,
     ) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
-        self.wq_b = Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.wq_b = Linear(q_lora_rank, n_heads * head_dim, quant=quant)
         self.weights_proj = Linear(hidden_size, n_heads, bias=False)
         self.compressor = Compressor(hidden_size, head_dim, ratio, overlap=True, eps=eps)
 

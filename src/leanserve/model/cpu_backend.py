@@ -42,11 +42,17 @@ def _activations(*tensors: torch.Tensor | None, strided: tuple[torch.Tensor, ...
     return not any(t.dtype is not _F32 or not t.is_cpu or t.requires_grad for t in strided)
 
 
-def _weights(weights: tuple[torch.Tensor, ...]) -> bool:
-    """Weights of one dtype the kernels read (float32 or bfloat16), contiguous CPU tensors without autograd."""
-    dtype = weights[0].dtype
+def _weights(weights: tuple) -> bool:
+    """Plain weights of one dtype the kernels read (float32 or bfloat16), contiguous CPU tensors without
+    autograd."""
+    dtype = getattr(weights[0], "dtype", None)
     return all(
-        t.dtype is dtype and dtype in _WEIGHT_DTYPES and t.is_cpu and not t.requires_grad and t.is_contiguous()
+        isinstance(t, torch.Tensor)
+        and t.dtype is dtype
+        and dtype in _WEIGHT_DTYPES
+        and t.is_cpu
+        and not t.requires_grad
+        and t.is_contiguous()
         for t in weights
     )
 
@@ -111,8 +117,9 @@ class CpuBackend(TorchBackend):
 
     def grouped_linear(self, x, weight):
         if x.shape[0] <= FEW_ROWS and _activations(x) and _weights((weight,)):
-            out = x.new_empty(x.shape[0], x.shape[1], weight.shape[1])
-            ck.grouped_linear(x.shape[0] * weight.numel(), x.numpy(), ck.weight_np(weight), out.numpy())
+            w = ck.weight_np(weight).reshape(x.shape[1], -1, x.shape[2])
+            out = x.new_empty(x.shape[0], x.shape[1], w.shape[1])
+            ck.grouped_linear(x.shape[0] * weight.numel(), x.numpy(), w, out.numpy())
             return out
         return super().grouped_linear(x, weight)
 
@@ -196,6 +203,8 @@ class CpuBackend(TorchBackend):
         return out
 
     def experts(self, rows, counts, w13, w2, limit):
+        if not _weights((w13, w2)):  # (quantized experts: the torch statement, one expert dequantized at a time)
+            return super().experts(rows, counts, w13, w2, limit)
         w13, w2 = w13.to(rows.dtype), w2.to(rows.dtype)  # (bfloat16 weights: widened once, for either way)
         padded = padded_experts(rows, counts, w13, w2, limit)
         if padded is not None:
@@ -213,11 +222,12 @@ class CpuBackend(TorchBackend):
 
     # --- decode-sized steps, whole ----------------------------------------------------------------------
     @staticmethod
-    def decode_step(fb, act_dtype: torch.dtype) -> bool:
+    def decode_step(fb, act_dtype: torch.dtype, quantized: bool) -> bool:
         """Whether a step runs whole as numpy arrays: short chunks whose rows go into the rings first (one
-        attention group), float32 activations on the CPU."""
+        attention group), float32 activations on the CPU, plain weights."""
         return (
             act_dtype == _F32
+            and not quantized
             and fb.num_tokens <= DECODE_TOKENS
             and len(fb.groups) == 1
             and fb.window_write_first
@@ -235,7 +245,7 @@ class CpuBackend(TorchBackend):
         return plan
 
     def run_blocks(self, model, fb, caches, ropes, streams):
-        if not self.decode_step(fb, model.act_dtype):
+        if not self.decode_step(fb, model.act_dtype, model.cfg.quantization is not None):
             return super().run_blocks(model, fb, caches, ropes, streams)
         plans = [self.plan(block, caches[key]) for key, block in model.layers.items()]
         embed = self.kept_views(model.embed, model.embed.table) if streams is None else None
@@ -243,7 +253,7 @@ class CpuBackend(TorchBackend):
         return torch.from_numpy(decode.run_blocks(embed, plans, model.cfg.hc_mult, decode.Step(fb, ropes), s))
 
     def run_mtp(self, mtp, streams, embedded, fb, cache, ropes):
-        if not (self.decode_step(fb, streams.dtype) and _activations(streams, embedded)):
+        if not (self.decode_step(fb, streams.dtype, mtp.quantized) and _activations(streams, embedded)):
             return super().run_mtp(mtp, streams, embedded, fb, cache, ropes)
         w = self.kept_views(mtp, mtp.mtp_weights)
         x = decode.mtp_inputs(w, streams.numpy(), embedded.numpy())

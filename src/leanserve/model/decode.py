@@ -156,6 +156,8 @@ class Plan:
         self.cache = cache  # (kept: plans are looked up by the cache's id)
         self.tensors, self.ptrs = tensors, [t.data_ptr() for t in tensors]
         self.hc = w.attn_mix.fn.shape[1] // w.attn_mix.norm_weight.shape[0]  # streams: fn is [M, hc * hidden]
+        wo_a = w.attn.wo_a
+        self.wo_a = wo_a.reshape(w.attn.o_groups, -1, wo_a.shape[1])  # [groups, o_lora_rank, in / groups]
         self.ring = cache.window_kv.numpy().reshape(-1, w.attn.head_dim)
         self.rows = cache_rows(cache)
         self.comp_rings = Rings.of(cache.comp_kv, cache.comp_gate, cache.comp_rows) if w.attn.compressor else None
@@ -222,8 +224,9 @@ def _attention(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
     visible = step.visible[w.layer_type] if most else step.no_visible
     out = np.empty((n, w.heads, dim), dtype=np.float32)
     attend_arrays(w, q, p.ring, NO_NEW_KV, step.group, most, visible, *p.rows, index_queries, angles, out)
-    low = np.empty((n, w.wo_a.shape[0], w.wo_a.shape[1]), dtype=np.float32)
-    ck.grouped_linear(n * w.wo_a.size, out.reshape(n, w.wo_a.shape[0], -1), w.wo_a, low)
+    wo_a = p.wo_a
+    low = np.empty((n, wo_a.shape[0], wo_a.shape[1]), dtype=np.float32)
+    ck.grouped_linear(n * wo_a.size, out.reshape(n, wo_a.shape[0], -1), wo_a, low)
     return ck.matmuls(low.reshape(n, -1), (w.wo_b,))[0]
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from leanserve.config import RopeConfig
 from leanserve.model.backend import UsesBackend
+from leanserve.model.quant import FP8_BLOCK, Fp8Weight
 
 
 def fp32_param(*shape: int) -> nn.Parameter:
@@ -19,10 +20,25 @@ def fp32_param(*shape: int) -> nn.Parameter:
 
 
 class Linear(UsesBackend, nn.Linear):
-    """nn.Linear (no bias here) through the stage's backend."""
+    """nn.Linear (no bias here) through the stage's backend. With quant "fp8" the weight is stored as published:
+    `weight` float8_e4m3fn [out, in] and `scale` uint8 UE8M0 exponents per 128x128 block (see quant.py)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: str | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.quant = quant
+        if quant == "fp8":
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn), False)
+            blocks = (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
+            self.register_buffer("scale", torch.empty(blocks, dtype=torch.uint8))
+        elif quant is not None:
+            raise ValueError(f"Linear layers are stored plain or as fp8, not {quant!r}.")
+
+    def w(self) -> torch.Tensor | Fp8Weight:
+        """The weight as stored: a tensor, or an Fp8Weight."""
+        return self.weight if self.quant is None else Fp8Weight(self.weight, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linears(x, (self.weight,))[0]
+        return self.ops.linears(x, (self.w(),))[0]
 
 
 class Embedding(nn.Module):

@@ -17,6 +17,7 @@ from torch import nn
 from leanserve.config import HASH_MOE, ModelConfig
 from leanserve.model.backend import UsesBackend
 from leanserve.model.layers import Linear, fp32_param
+from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts
 from leanserve.model.torch_ops import swiglu
 
 
@@ -52,20 +53,43 @@ class Gate(nn.Module):
 
 
 class Experts(UsesBackend, nn.Module):
-    # Stacked per-expert weights; the checkpoint's experts.E.w1/w3 fill w13 rows [0, I) / [I, 2I).
+    """Stacked per-expert weights; the checkpoint's experts.E.w1/w3 fill w13 rows [0, I) / [I, 2I). A published
+    checkpoint's stay as stored (quant.py): FP4 packed two per byte with a scale per 32 inputs (`w13_scale`,
+    `w2_scale`), or block-scaled FP8 (the w1 and w3 halves keep their own scale grids)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         experts, hidden, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.limit = cfg.swiglu_limit
-        self.w13 = nn.Parameter(torch.zeros(experts, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.zeros(experts, hidden, inter))
+        self.quant = cfg.quantization.experts if cfg.quantization is not None else None
+        if self.quant is None:
+            self.w13 = nn.Parameter(torch.zeros(experts, 2 * inter, hidden))
+            self.w2 = nn.Parameter(torch.zeros(experts, hidden, inter))
+        elif self.quant == "fp4":
+            self.w13 = nn.Parameter(torch.zeros(experts, 2 * inter, hidden // 2, dtype=torch.uint8), False)
+            self.w2 = nn.Parameter(torch.zeros(experts, hidden, inter // 2, dtype=torch.uint8), False)
+            self.register_buffer("w13_scale", torch.zeros(experts, 2 * inter, hidden // FP4_GROUP, dtype=torch.uint8))
+            self.register_buffer("w2_scale", torch.zeros(experts, hidden, inter // FP4_GROUP, dtype=torch.uint8))
+        else:
+            f8, blocks = torch.float8_e4m3fn, lambda n: -(-n // FP8_BLOCK)
+            self.w13 = nn.Parameter(torch.zeros(experts, 2 * inter, hidden, dtype=f8), False)
+            self.w2 = nn.Parameter(torch.zeros(experts, hidden, inter, dtype=f8), False)
+            self.register_buffer("w13_scale", torch.zeros(experts, 2, blocks(inter), blocks(hidden), dtype=torch.uint8))
+            self.register_buffer("w2_scale", torch.zeros(experts, 1, blocks(hidden), blocks(inter), dtype=torch.uint8))
+
+    def stored(self) -> tuple:
+        """(w13, w2) as stored: tensors, Fp4Weight or Fp8Experts."""
+        if self.quant is None:
+            return self.w13, self.w2
+        kind = Fp4Weight if self.quant == "fp4" else Fp8Experts
+        return kind(self.w13, self.w13_scale), kind(self.w2, self.w2_scale)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
         token_of = order // experts.shape[1]
         counts = torch.bincount(flat, minlength=self.w13.shape[0])
-        ys = self.ops.experts(x[token_of], counts, self.w13, self.w2, self.limit)
+        ys = self.ops.experts(x[token_of], counts, *self.stored(), self.limit)
         ys = ys * weights.flatten()[order, None].to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
@@ -75,9 +99,10 @@ class SharedExpert(nn.Module):
         super().__init__()
         hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.limit = cfg.swiglu_limit
-        self.w1 = Linear(hidden, inter, bias=False)
-        self.w2 = Linear(inter, hidden, bias=False)
-        self.w3 = Linear(hidden, inter, bias=False)
+        fp8 = "fp8" if cfg.quantization is not None else None
+        self.w1 = Linear(hidden, inter, quant=fp8)
+        self.w2 = Linear(inter, hidden, quant=fp8)
+        self.w3 = Linear(hidden, inter, quant=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
@@ -119,6 +144,6 @@ class MoE(UsesBackend, nn.Module):
         gate, experts, shared = self.gate, self.experts, self.shared_experts
         return MoEWeights(
             gate.weight, None if gate.is_hash else gate.bias, gate.tid2eid if gate.is_hash else None, gate.top_k,
-            gate.scoring_func, gate.scale, experts.w13, experts.w2, shared.w1.weight, shared.w3.weight,
-            shared.w2.weight, experts.limit,
+            gate.scoring_func, gate.scale, *experts.stored(), shared.w1.w(), shared.w3.w(), shared.w2.w(),
+            experts.limit,
         )  # fmt: skip

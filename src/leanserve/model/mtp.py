@@ -37,8 +37,9 @@ class MTPBlock(Block):
         hidden = cfg.hidden_size
         self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.e_proj = Linear(hidden, hidden, bias=False)
-        self.h_proj = Linear(hidden, hidden, bias=False)
+        fp8 = "fp8" if cfg.quantization is not None else None
+        self.e_proj = Linear(hidden, hidden, quant=fp8)
+        self.h_proj = Linear(hidden, hidden, quant=fp8)
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.hc_head_fn = fp32_param(cfg.hc_mult, cfg.hc_dim)
         self.hc_head_base = fp32_param(cfg.hc_mult)

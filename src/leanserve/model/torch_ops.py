@@ -7,16 +7,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from leanserve.model.quant import dense, expert_matrix
+
 
 def linears(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """x [..., in] @ w[out, in]^T for each of `weights`, in x's dtype (a bfloat16 weight meets float32
-    activations on the CPU, see backend.activation_dtype)."""
-    return tuple([F.linear(x, w.to(x.dtype)) for w in weights])
+    activations on the CPU, see backend.activation_dtype; a quantized one is dequantized for the call)."""
+    return tuple([F.linear(x, dense(w, x.dtype)) for w in weights])
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, G, in], weight [G, out, in] -> [T, G, out]: group g of every row times weight[g]^T."""
-    return torch.einsum("tgi,goi->tgo", x, weight.to(x.dtype))
+def grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """x [T, G, in], weight [G * out, in] (or quantized) -> [T, G, out]: group g of every row times its rows
+    [g * out, (g + 1) * out) of the weight, transposed."""
+    w = dense(weight, x.dtype).view(x.shape[1], -1, x.shape[2])
+    return torch.einsum("tgi,goi->tgo", x, w)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -30,18 +34,18 @@ def experts(rows, counts, w13, w2, limit: float, grouped_mm=None) -> torch.Tenso
     expert's w^T, one matmul per expert by default."""
     mm = grouped_mm or grouped_mm_loop
     ends = torch.cumsum(counts, 0)
-    gate, up = mm(rows, w13.to(rows.dtype), ends).chunk(2, dim=-1)  # [N, I] each
-    return mm(swiglu(gate, up, limit), w2.to(rows.dtype), ends)  # [N, hidden]
+    gate, up = mm(rows, w13, ends).chunk(2, dim=-1)  # [N, I] each
+    return mm(swiglu(gate, up, limit), w2, ends)  # [N, hidden]
 
 
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Rows [ends[e-1], ends[e]) of x times w[e]^T: x [N, in], w [E, out, in] -> [N, out]. Each expert's weights
-    are read once, and only its own rows are computed."""
+    """Rows [ends[e-1], ends[e]) of x times w[e]^T: x [N, in], w [E, out, in] (or quantized: each expert
+    dequantized alone) -> [N, out]. Each expert's weights are read once, and only its own rows are computed."""
     out = x.new_empty(x.shape[0], w.shape[1])
     start = 0
     for e, end in enumerate(ends.tolist()):
         if end > start:
-            torch.mm(x[start:end], w[e].T, out=out[start:end])
+            torch.mm(x[start:end], expert_matrix(w, e, x.dtype).T, out=out[start:end])
         start = end
     return out
 
