@@ -3,9 +3,11 @@ the tensors really alive), and `target_hidden_states` exists only on the last st
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -13,10 +15,14 @@ import torch
 
 from leanserve import LLM, SamplingParams
 from leanserve.cli import main
-from leanserve.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from leanserve.config import ConfigError, EngineConfig, ModelConfig, Quantization, SpeculativeConfig
 from leanserve.engine.runner import StageRunner
 from leanserve.engine.topology import PipelineTopology
-from leanserve.memory import PIPELINE, SPEC_MTP
+from leanserve.memory import PIPELINE, SPEC_MTP, MemoryLedger, weights_by_format
+from leanserve.model.cache import CacheGeometry
+from leanserve.model.deepseek_v4 import build_model
+from leanserve.model.layers import Linear
+from leanserve.model.moe import Experts
 
 MIB = 2**20
 SPECS = {
@@ -129,6 +135,91 @@ def test_pipeline_stages_report_their_ledgers(tiny_ckpt, caplog):
         assert stages[1].find("pp_recv_streams").feature == PIPELINE
     logged = caplog.text
     assert "stage 0 (layers 0-1)" in logged and "stage 1 (layers 2-3)" in logged and "spec_decode:mtp" in logged
+
+
+# --- weights by stored format ---------------------------------------------------------------------------
+def test_a_plain_models_weights_are_named_by_dtype(tiny_ckpt):
+    cfg = ModelConfig.from_hf(tiny_ckpt)
+    layout = PipelineTopology.build(cfg, 1).layout(0)
+    runner = StageRunner(cfg, EngineConfig(str(tiny_ckpt)), layout, torch.bfloat16, 64, progress=False)
+    by_format = runner.memory.weights_by_format
+    stored = Counter()
+    for t in runner.model.state_dict().values():
+        stored[{torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "int64"}[t.dtype]] += t.nbytes
+    assert by_format == dict(stored) and set(by_format) == {"bf16", "fp32", "int64"}
+    assert runner.memory.weights_bytes == sum(stored.values())
+
+
+@pytest.mark.parametrize("experts", ["fp4", "fp8"])
+def test_a_quantized_model_counts_its_stored_bytes_by_format_and_allocates_exactly_that(tiny_ckpt, experts):
+    cfg = dataclasses.replace(ModelConfig.from_hf(tiny_ckpt), quantization=Quantization(experts))
+    before = live_storages()
+    model = build_model(cfg, 128, torch.bfloat16, with_mtp=True)
+    ledger = MemoryLedger(0)
+    model.register_tables(ledger)
+    caches = model.allocate_cache(CacheGeometry.build(cfg, 2, 128, 1), model.act_dtype, ledger)
+    by_format = weights_by_format(model)
+    # Everything alive is the weights (scale buffers included) plus the ledger: no scale is a ledger buffer.
+    assert new_bytes(before) == sum(by_format.values()) + ledger.memory.buffers_bytes
+    assert not any(e.name.endswith("scale") and e.dtype == "uint8" for e in ledger.memory.buffers)
+    # Each format is the bytes of its tensors: fp8 = the e4m3 linears and their UE8M0 scales (and FP8 experts),
+    # fp4 = the packed experts and their scales; the rest by dtype.
+    want = Counter()
+    for m in model.modules():
+        own = [t for key, t in m.state_dict(keep_vars=True).items() if "." not in key]  # its own, persistent
+        if isinstance(m, Experts):
+            want[experts] += sum(t.nbytes for t in (m.w13, m.w2, m.w13_scale, m.w2_scale))
+        elif isinstance(m, Linear) and m.quant == "fp8":
+            assert m.weight.dtype == torch.float8_e4m3fn and m.scale.dtype == torch.uint8
+            want["fp8"] += m.weight.nbytes + m.scale.nbytes
+        else:
+            for t in own:
+                want[{torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "int64"}[t.dtype]] += t.nbytes
+    assert by_format == dict(want)
+    assert sum(by_format.values()) == sum(t.nbytes for t in model.state_dict().values())
+    # Against the same experts in bf16: FP4 is 4.25 bits a weight (a quarter, plus a scale byte per 32 weights),
+    # FP8 a half (plus a scale byte per 128x128 block).
+    plain = build_model(dataclasses.replace(cfg, quantization=None), 128, torch.bfloat16, with_mtp=True, device="meta")
+    plain_experts = sum(t.numel() * t.element_size() for n, t in plain.state_dict().items() if ".experts." in n)
+    stored = sum(t.nbytes for m in model.modules() if isinstance(m, Experts) for t in m.state_dict().values())
+    if experts == "fp4":
+        assert stored == by_format["fp4"] and stored / plain_experts == pytest.approx(0.5 / 2 + 1 / 32 / 2)
+    else:
+        assert 0.5 < stored / plain_experts < 0.51
+    del caches
+
+
+def stored_bytes(stages: list[dict]) -> int:
+    return sum(s["weights_bytes"] for s in stages)
+
+
+def test_the_flash_plan_stores_what_the_published_checkpoint_holds(capsys):
+    # The published files: 159.6 GB (decimal) in 46 shards, the MTP layer included. Like with like: the whole
+    # model on one stage with the MTP layer (MTP on). Split over two stages, the last also holds a copy of the
+    # embedding (the MTP layer embeds its input tokens; the files hold the table once).
+    whole = memory_json(capsys, "--plan", "--config", "deepseek-v4-flash", "--speculative-config", MTP1)
+    assert stored_bytes(whole) == pytest.approx(159.6e9, rel=0.01)
+    formats = whole[0]["weights_by_format"]
+    assert set(formats) == {"fp4", "fp8", "bf16", "fp32", "int64"}
+    # Routed experts: 43 layers and the MTP layer, 256 experts x 3 matrices of 2048 x 4096, 4.25 bits a weight.
+    assert formats["fp4"] == 44 * 256 * 3 * 2048 * 4096 * 17 // 32
+    split = memory_json(capsys, "--plan", "--config", "deepseek-v4-flash", "-pp", "2", "--speculative-config", MTP1)
+    assert stored_bytes(split) == stored_bytes(whole) + 129280 * 4096 * 2
+    # Without MTP the last stage builds no MTP layer: less than the files hold.
+    assert stored_bytes(memory_json(capsys, "--plan", "--config", "deepseek-v4-flash")) < stored_bytes(whole)
+
+
+def test_the_plan_dtype_is_the_unquantized_weights_dtype(capsys):
+    bf16 = memory_json(capsys, "--plan", "--config", "deepseek-v4-flash")[0]["weights_by_format"]
+    fp32 = memory_json(capsys, "--plan", "--config", "deepseek-v4-flash", "--dtype", "float32")[0]
+    assert fp32["weights_by_format"]["fp4"] == bf16["fp4"] and fp32["weights_by_format"]["fp8"] == bf16["fp8"]
+    assert "bf16" not in fp32["weights_by_format"]
+
+
+def test_the_memory_table_shows_weights_by_format(capsys):
+    assert main(["--log-level", "warning", "memory", "--plan", "--config", "deepseek-v4-pro", "-pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("weights by format: fp4 ") == 2 and "all stages: weights" in out and " GB" in out
 
 
 # --- speculative config -------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """`leanserve memory --plan`: the memory ledger at real scale without weights or allocation.
 
 Each stage is built exactly as the engine builds it, on the meta device, so the plan is the engine's own
-ledger (same code, same buffers), not a separate estimate. Weight bytes are at the planned dtype; real
-DeepSeek-V4 checkpoints store most linears in fp8 and experts in fp4, so their files are smaller.
+ledger (same code, same buffers), not a separate estimate. Weights are counted as stored: the shipped configs
+carry the published quantization (FP8 linears, FP4 routed experts, with their UE8M0 scales), so the plan's
+weight bytes are the checkpoint's; the planned dtype is that of the activations, caches and unquantized
+weights (embedding, head, norms, router, compressors).
 """
 
 from __future__ import annotations

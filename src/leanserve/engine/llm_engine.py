@@ -17,7 +17,7 @@ from leanserve.engine.runner import SeqOutput, StageRunner, StepPlan
 from leanserve.engine.scheduler import ScheduledBatch, Scheduler, SeqUpdate
 from leanserve.engine.sequence import Sequence
 from leanserve.engine.topology import PipelineTopology
-from leanserve.memory import StageMemory, format_bytes, format_table
+from leanserve.memory import StageMemory, format_bytes, format_table, format_weights
 from leanserve.model import cpu_kernels
 from leanserve.model.loader import checkpoint_dtype, has_mtp_weights
 from leanserve.sampling_params import SamplingParams
@@ -107,8 +107,8 @@ class LLMEngine:
             by_feature = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(m.by_feature().items()))
             layers = f"layers {info.layout.first_layer}-{info.layout.end_layer - 1}"
             logger.info(
-                "stage %d (%s): weights %s; buffers %s (%s)", m.stage, layers, format_bytes(m.weights_bytes),
-                format_bytes(m.buffers_bytes), by_feature,
+                "stage %d (%s): weights %s (%s); buffers %s (%s)", m.stage, layers, format_bytes(m.weights_bytes),
+                format_weights(m.weights_by_format), format_bytes(m.buffers_bytes), by_feature,
             )  # fmt: skip
         logger.debug("memory ledger:\n%s", format_table(self.memory_ledger()))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)

@@ -13,7 +13,7 @@ from leanserve.engine.proposers import DraftModelProposer, MTPProposer, ProposeI
 from leanserve.engine.sampler import Sampler, _is_greedy
 from leanserve.engine.scheduler import ScheduledBatch
 from leanserve.engine.sequence import SampledToken, SeqOutput
-from leanserve.memory import PIPELINE, SPEC_DRAFT, SPEC_MTP, MemoryLedger, StageMemory, weights_bytes
+from leanserve.memory import PIPELINE, SPEC_DRAFT, SPEC_MTP, MemoryLedger, StageMemory, weights_by_format
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.cache import CacheGeometry
 from leanserve.model.deepseek_v4 import StageLayout, build_model
@@ -136,9 +136,9 @@ class StageRunner:
                     spec, config.max_num_seqs, max_model_len, dtype, device, ledger, SPEC_DRAFT, self.sampler
                 )
         self.memory = ledger.memory
-        self.memory.weights_bytes = weights_bytes(self.model)
+        self.memory.add_weights(weights_by_format(self.model))
         if isinstance(self.proposer, DraftModelProposer):  # the draft model's weights are weights too
-            self.memory.weights_bytes += weights_bytes(self.proposer.model)
+            self.memory.add_weights(weights_by_format(self.proposer.model))
         self._written = np.zeros(config.max_num_seqs, dtype=np.int64)  # positions each slot holds
         self.max_num_batched_tokens = tokens
 
