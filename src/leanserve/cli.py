@@ -102,7 +102,12 @@ def _add_memory(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--plan", action="store_true", help="compute the ledger on the meta device: no weights, nothing allocated"
     )
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="activations, caches and unquantized weights (fp8 / fp4 weights stay as stored); --plan: bfloat16",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--output", default="table", choices=["table", "json"])
     _add_engine_options(p)
