@@ -184,6 +184,7 @@ def check_checkpoint(model: DeepseekV4, model_dir: str | Path) -> list[_Entry]:
     config = Path(model_dir) / "config.json"
     quant = model.cfg.quantization
     entries: list[_Entry] = []
+    headers: list[tuple[str, tuple[int, ...]]] = []  # (safetensors dtype, shape) of each entry
     seen: dict[str, str] = {}
     for file, names in files.items():
         with _open(file) as f:
@@ -207,13 +208,17 @@ def check_checkpoint(model: DeepseekV4, model_dir: str | Path) -> list[_Entry]:
                     stored, shape = header.get_dtype(), tuple(header.get_shape())
                 except (SafetensorError, RuntimeError, OSError) as e:
                     raise CheckpointError(f"Cannot read tensor {raw_name!r} from {file}: {e}.") from None
-                _check_dtype(raw_name, file, stored, target.kind, model.cfg, config)
-                if shape != target.shape:
-                    raise CheckpointError(
-                        f"Tensor {raw_name!r} in {file} has shape {shape}, expected {target.shape}"
-                        f"{_shape_hint(target)}."
-                    )
+                headers.append((stored, shape))
                 entries.append(_Entry(file, raw_name, name, target))
+    # Dtypes first (a format that does not match the config), then shapes.
+    for entry, (stored, _) in zip(entries, headers, strict=True):
+        _check_dtype(entry.raw_name, entry.file, stored, entry.target.kind, model.cfg, config)
+    for entry, (_, shape) in zip(entries, headers, strict=True):
+        if shape != entry.target.shape:
+            raise CheckpointError(
+                f"Tensor {entry.raw_name!r} in {entry.file} has shape {shape}, expected {entry.target.shape}"
+                f"{_shape_hint(entry.target)}."
+            )
     missing = sorted(set(targets) - set(seen))
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
