@@ -120,6 +120,23 @@ def _add_make_random(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--force", action="store_true", help="overwrite an existing checkpoint in DIR")
+    p.add_argument(
+        "--format",
+        default="hf",
+        choices=["hf", "published"],
+        help="hf: transformers' layout in --dtype; published: DeepSeek's (FP8 linears, FP4 or FP8 experts)",
+    )
+    p.add_argument("--expert-dtype", default="fp4", choices=["fp4", "fp8"], help="routed experts (--format published)")
+    p.add_argument("--max-shard-size", default=None, help="shard the published weights, e.g. 500MB")
+
+
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize", help="write a bf16 / float32 checkpoint in the published FP8 / FP4 format")
+    p.add_argument("src", help="the source checkpoint directory")
+    p.add_argument("dst", help="the output directory (new or empty)")
+    p.add_argument("--expert-dtype", default="fp4", choices=["fp4", "fp8"], help="routed experts' format")
+    p.add_argument("--max-shard-size", default=None, help="shard the weights, e.g. 500MB")
+    p.add_argument("--force", action="store_true", help="write into a non-empty DST")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -331,11 +348,29 @@ def _generate(args: argparse.Namespace) -> int:
 def _make_random(args: argparse.Namespace) -> int:
     from leanserve.make_random import make_random
 
-    target = Path(args.dir) / "model.safetensors"
-    if target.exists() and not args.force:
-        raise ValueError(f"{target} already exists; pass --force to overwrite it.")
-    make_random(args.dir, preset=args.preset, seed=args.seed, dtype=args.dtype)
-    print(f"wrote a random {args.preset} DeepSeek-V4 checkpoint to {args.dir}")
+    for name in ("model.safetensors", "model.safetensors.index.json"):
+        target = Path(args.dir) / name
+        if target.exists() and not args.force:
+            raise ValueError(f"{target} already exists; pass --force to overwrite it.")
+    make_random(
+        args.dir,
+        preset=args.preset,
+        seed=args.seed,
+        dtype=args.dtype,
+        format=args.format,
+        expert_dtype=args.expert_dtype,
+        max_shard_size=args.max_shard_size,
+    )
+    kind = f" (published format, {args.expert_dtype} experts)" if args.format == "published" else ""
+    print(f"wrote a random {args.preset} DeepSeek-V4 checkpoint{kind} to {args.dir}")
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from leanserve.quantize import quantize_checkpoint
+
+    quantize_checkpoint(args.src, args.dst, args.expert_dtype, force=args.force, max_shard_size=args.max_shard_size)
+    print(f"wrote {args.src} in the published format ({args.expert_dtype} experts) to {args.dst}")
     return 0
 
 
@@ -349,10 +384,18 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub)
     _add_memory(sub)
     _add_make_random(sub)
+    _add_quantize(sub)
     _add_bench(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(format="leanserve: %(message)s", level=args.log_level.upper())
-    handlers = {"generate": _generate, "serve": _serve, "memory": _memory, "make-random": _make_random, "bench": _bench}
+    handlers = {
+        "generate": _generate,
+        "serve": _serve,
+        "memory": _memory,
+        "make-random": _make_random,
+        "quantize": _quantize,
+        "bench": _bench,
+    }
     try:
         return handlers[args.command](args)
     except ValueError as e:  # user errors: config, checkpoint, prompt, sampling parameters

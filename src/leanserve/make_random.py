@@ -1,4 +1,5 @@
-"""`leanserve make-random`: random-weight DeepSeek-V4 checkpoints that both leanserve and transformers load.
+"""`leanserve make-random`: random-weight DeepSeek-V4 checkpoints that both leanserve and transformers load, in
+transformers' layout or in the published one (FP8 / FP4, DeepSeek's names: `--format published`).
 
 Every parameter and buffer gets non-degenerate values. transformers' own init zeroes the mHC bases,
 attention sinks, router biases, compressor position biases and hash tables, which would hide bugs in
@@ -114,9 +115,29 @@ def randomize_(model: DeepseekV4, seed: int) -> DeepseekV4:
     return model
 
 
-def make_random(out_dir: str | Path, preset: str = "tiny", seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+def make_random(
+    out_dir: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    format: str = "hf",
+    expert_dtype: str = "fp4",
+    max_shard_size: str | int | None = None,
+    **overrides,
+) -> Path:
+    """format "hf": transformers' layout in `dtype`; "published": DeepSeek's (FP8 linears, `expert_dtype` experts,
+    see leanserve.quantize), the random float32 weights quantized."""
     cfg = preset_config(preset, **overrides)
+    if format == "published":
+        from leanserve.quantize import quantized_config, save_published
+
+        quantized_config(cfg, expert_dtype)  # (dimensions FP4 cannot store: fail before building anything)
+    elif format != "hf":
+        raise ValueError(f"Unknown checkpoint format {format!r}; choose 'hf' or 'published'.")
     model = build_model(cfg, max_positions=1, with_mtp=cfg.has_mtp)
     randomize_(model, seed)
-    save_checkpoint(model, out_dir, dtype=getattr(torch, dtype) if dtype != "float32" else None)
+    if format == "published":
+        save_published(model, out_dir, expert_dtype, max_shard_size)
+    else:
+        save_checkpoint(model, out_dir, dtype=getattr(torch, dtype) if dtype != "float32" else None)
     return Path(out_dir)

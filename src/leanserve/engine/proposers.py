@@ -162,7 +162,9 @@ class DraftModelProposer(ModelProposer):
         progress: bool = False,
     ) -> DraftModelProposer:
         cfg = ModelConfig.from_hf(spec.model)
-        model = build_model(cfg, max_model_len, dtype, device=device)
+        model = build_model(
+            cfg, max_model_len, dtype, device=device, checkpoint=spec.model if device != "meta" else None
+        )
         if device != "meta":
             load_weights(model, spec.model, progress=progress)
         model.register_tables(ledger, prefix="draft.", feature=feature)

@@ -100,8 +100,9 @@ class StageRunner:
         spec = config.speculative_config
         # The MTP layer and the trunk streams it reads exist only when the MTP drafter runs, on the last stage.
         uses_mtp = spec is not None and spec.needs_target_hidden_states() and layout.is_last
+        checkpoint = config.model if device != "meta" else None  # (its headers checked before allocating)
         self.model = build_model(
-            cfg, max_model_len, dtype, stage=layout, with_mtp=uses_mtp, device=device, backend=config.backend
+            cfg, max_model_len, dtype, layout, uses_mtp, device, config.backend, checkpoint=checkpoint
         )
         if device != "meta":
             load_weights(self.model, config.model, progress=progress)

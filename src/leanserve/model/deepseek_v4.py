@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -186,13 +187,26 @@ def build_model(
     with_mtp: bool = False,
     device: str = "cpu",
     backend: str = "auto",
+    checkpoint: str | Path | None = None,
 ) -> DeepseekV4:
     """Builds on the meta device (no init cost), then allocates uninitialised storage on `device`; the
-    loader (or a random init) must fill every parameter and persistent buffer. The stage's backend is chosen
-    here, once (see backend.select_backend), and sets the activations' dtype."""
+    loader (or a random init) must fill every parameter and persistent buffer. With `checkpoint` (a model
+    directory), its safetensors headers are checked against the meta model first, so a checkpoint that does
+    not fit fails before anything is allocated. The stage's backend is chosen here, once (see
+    backend.select_backend), and sets the activations' dtype."""
+    if cfg.quantization is not None and backend != "torch":
+        # The CPU kernels do not read FP8 / FP4 weights yet (their attention path takes numpy views of plain
+        # weights): a published checkpoint runs the torch backend, which dequantizes per call.
+        if backend == "cpu":
+            raise ValueError("The cpu backend does not run FP8 / FP4 weights yet; use --backend torch (or auto).")
+        backend = "torch"
     ops = select_backend(device, dtype, backend)
     with torch.device("meta"), _default_dtype(dtype):
         model = DeepseekV4(cfg, max_positions, stage, with_mtp)
+    if checkpoint is not None:
+        from leanserve.model.loader import check_checkpoint  # (the loader imports this module)
+
+        check_checkpoint(model, checkpoint)
     model.to_empty(device=device)
     set_backend(model, ops)
     model.act_dtype = ops.activation_dtype(dtype)

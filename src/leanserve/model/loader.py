@@ -1,10 +1,14 @@
 """Strict safetensors loader: checkpoint names -> this stage's parameters.
 
-Accepts DeepSeek's own names (`embed.weight`, `layers.N.attn.wq_a.weight`, `hc_head_fn`, `mtp.0.…`,
-experts as `ffn.experts.E.w1/w2/w3.weight`) and the ones transformers writes (the same under a `model.`
-prefix, plus `model.embed_tokens.weight` and `model.hc_head.hc_fn`). A tensor this stage does not own
-(another stage's layer, or MTP weights when the MTP layer is not built) is skipped without being read;
-anything else unknown, missing, or of the wrong shape is an error naming the tensor and the file.
+Accepts DeepSeek's own names (`embed.weight`, `layers.N.attn.wq_a.weight`, `attn.kv_norm`, `hc_head_fn`,
+`mtp.0.…`, experts as `ffn.experts.E.w1/w2/w3.weight`) and the ones transformers writes (the same under a
+`model.` prefix, plus `model.embed_tokens.weight`, `model.hc_head.hc_fn` and `attn.norm`). A published
+checkpoint (config with quantization_config) loads as stored: F8_E4M3 linears with their `.scale` (F8_E8M0 or
+U8 bytes), routed experts as I8-packed FP4 (or F8_E4M3) with theirs, the bytes reinterpreted, never converted.
+A tensor this stage does not own (another stage's layer, or MTP weights when the MTP layer is not built) is
+skipped without being read. Before anything is read, `check_checkpoint` compares the safetensors headers
+with the model (which may still be on the meta device): anything unknown, missing, duplicated, of the wrong
+shape or stored in the wrong dtype for the config is an error naming the tensor and the file.
 """
 
 from __future__ import annotations
@@ -36,8 +40,12 @@ class CheckpointError(ValueError):
     pass
 
 
+_KV_NORM = re.compile(r"^((?:layers|mtp)\.\d+\.attn)\.kv_norm\.weight$")
+
+
 def canonical_name(name: str) -> str:
     name = name.removeprefix("model.")
+    name = _KV_NORM.sub(r"\1.norm.weight", name)  # DeepSeek's `attn.kv_norm`; transformers writes `attn.norm`
     return _ALIASES.get(name, name)
 
 
@@ -74,35 +82,71 @@ def checkpoint_dtype(model_dir: str | Path) -> torch.dtype:
             for name in names:
                 tensor = f.get_slice(name)
                 dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(tensor.get_dtype())
-                if dtype is not None and "norm" not in name and len(tensor.get_shape()) == 2:
+                # (the parameters kept in float32 whatever the model's dtype say nothing: norms, mHC, sinks)
+                if dtype is not None and not _keeps_fp32(name) and len(tensor.get_shape()) == 2:
                     return dtype
     return torch.float32
+
+
+# safetensors dtype names: what each kind of model tensor may be stored as.
+_FLOATS = ("F32", "BF16", "F16")
+_STORED_AS = {
+    "float": _FLOATS,
+    "fp8": ("F8_E4M3",),
+    "fp4": ("I8", "U8"),  # two FP4 e2m1 values per byte (DeepSeek writes I8: the bytes are reinterpreted)
+    "scale": ("F8_E8M0", "U8"),  # UE8M0 exponents, one byte each
+    "index": ("I64", "I32"),
+}
+_QUANTIZED_DTYPES = ("F8_E4M3", "F8_E8M0", "I8", "U8")
 
 
 @dataclass
 class _Target:
     tensor: torch.Tensor
     view: Callable[[torch.Tensor], torch.Tensor]  # the part of `tensor` this checkpoint entry fills
+    kind: str = "float"  # float | fp8 | fp4 | scale | index: see _STORED_AS
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.view(self.tensor).shape)
 
 
+def _kind(name: str, tensor: torch.Tensor) -> str:
+    if tensor.dtype == torch.float8_e4m3fn:
+        return "fp8"
+    if tensor.dtype == torch.uint8:
+        return "scale" if name.endswith(("scale", "_scale")) else "fp4"
+    return "float" if tensor.is_floating_point() else "index"
+
+
 def _targets(model: DeepseekV4) -> dict[str, _Target]:
+    """Checkpoint name -> the model tensor (or the part of it) that it fills. Stacked experts take their
+    checkpoint rows: w1 / w3 the halves of w13 (and of w13_scale: rows for FP4, scale grids 0 / 1 for FP8)."""
     targets: dict[str, _Target] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if name.endswith(".experts.w13"):
-            prefix, inter = name.removesuffix(".w13"), tensor.shape[1] // 2
+    state = model.state_dict(keep_vars=True)
+    for name, tensor in state.items():
+        kind = _kind(name, tensor)
+        if name.endswith(".experts.w13") or name.endswith(".experts.w13_scale"):
+            prefix, leaf = name.rsplit(".", 1)
+            suffix = "scale" if leaf.endswith("_scale") else "weight"
+            inter = state[f"{prefix}.w13"].shape[1] // 2
+            fp8_grid = suffix == "scale" and tensor.dim() == 4  # FP8 experts: [E, 2, blocks(I), blocks(H)]
             for e in range(tensor.shape[0]):
-                targets[f"{prefix}.{e}.w1.weight"] = _Target(tensor, lambda t, e=e, i=inter: t[e, :i])
-                targets[f"{prefix}.{e}.w3.weight"] = _Target(tensor, lambda t, e=e, i=inter: t[e, i:])
-        elif name.endswith(".experts.w2"):
-            prefix = name.removesuffix(".w2")
+                if fp8_grid:
+                    w1, w3 = (lambda t, e=e: t[e, 0]), (lambda t, e=e: t[e, 1])
+                else:
+                    w1, w3 = (lambda t, e=e, i=inter: t[e, :i]), (lambda t, e=e, i=inter: t[e, i:])
+                targets[f"{prefix}.{e}.w1.{suffix}"] = _Target(tensor, w1, kind)
+                targets[f"{prefix}.{e}.w3.{suffix}"] = _Target(tensor, w3, kind)
+        elif name.endswith(".experts.w2") or name.endswith(".experts.w2_scale"):
+            prefix, leaf = name.rsplit(".", 1)
+            suffix = "scale" if leaf.endswith("_scale") else "weight"
+            fp8_grid = suffix == "scale" and tensor.dim() == 4  # [E, 1, blocks(H), blocks(I)]
             for e in range(tensor.shape[0]):
-                targets[f"{prefix}.{e}.w2.weight"] = _Target(tensor, lambda t, e=e: t[e])
+                view = (lambda t, e=e: t[e, 0]) if fp8_grid else (lambda t, e=e: t[e])
+                targets[f"{prefix}.{e}.w2.{suffix}"] = _Target(tensor, view, kind)
         else:
-            targets[name] = _Target(tensor, lambda t: t)
+            targets[name] = _Target(tensor, lambda t: t, kind)
     return targets
 
 
@@ -123,39 +167,122 @@ def _owned_elsewhere(name: str, model: DeepseekV4) -> bool:
     return model.mtp is None and index < max(cfg.num_nextn_predict_layers, 1)
 
 
-def load_weights(model: DeepseekV4, model_dir: str | Path, progress: bool = True) -> None:
+@dataclass
+class _Entry:
+    file: str
+    raw_name: str
+    name: str
+    target: _Target
+
+
+def check_checkpoint(model: DeepseekV4, model_dir: str | Path) -> list[_Entry]:
+    """Checks the checkpoint's safetensors headers (names, dtypes, shapes; no tensor data is read) against
+    `model`, which may be on the meta device: every error names the tensor (or field) and the file. Returns
+    what to load, file by file."""
     targets = _targets(model)
     files = checkpoint_files(model_dir)
-    loaded: set[str] = set()
-    total = sum(len(v) for v in files.values())
-    with tqdm(
-        total=total, desc="Loading weights", unit="tensor", disable=None if progress else True, leave=False
-    ) as bar:
-        for file, names in files.items():
-            with _open(file) as f:
-                for raw_name in names:
-                    bar.update(1)
-                    name = canonical_name(raw_name)
-                    target = targets.get(name)
-                    if target is None:
-                        if _owned_elsewhere(name, model):
-                            continue
-                        raise CheckpointError(f"Unexpected tensor {raw_name!r} in {file}: it is not part of the model.")
-                    if name in loaded:
-                        raise CheckpointError(f"Tensor {raw_name!r} appears twice in the checkpoint ({file}).")
-                    tensor = _read(f, raw_name, file)
-                    if tuple(tensor.shape) != target.shape:
+    config = Path(model_dir) / "config.json"
+    quant = model.cfg.quantization
+    entries: list[_Entry] = []
+    headers: list[tuple[str, tuple[int, ...]]] = []  # (safetensors dtype, shape) of each entry
+    seen: dict[str, str] = {}
+    for file, names in files.items():
+        with _open(file) as f:
+            for raw_name in names:
+                name = canonical_name(raw_name)
+                target = targets.get(name)
+                if target is None:
+                    if _owned_elsewhere(name, model):
+                        continue
+                    if quant is None and name.endswith(".scale"):
                         raise CheckpointError(
-                            f"Tensor {raw_name!r} in {file} has shape {tuple(tensor.shape)}, expected {target.shape}."
+                            f"Tensor {raw_name!r} in {file} is a quantization scale, but {config} has no "
+                            "quantization_config (a published checkpoint's config declares its FP8 format)."
                         )
-                    target.view(target.tensor).copy_(tensor)
-                    loaded.add(name)
-    missing = sorted(set(targets) - loaded)
+                    raise CheckpointError(f"Unexpected tensor {raw_name!r} in {file}: it is not part of the model.")
+                if name in seen:
+                    raise CheckpointError(f"Tensor {raw_name!r} appears twice in the checkpoint ({file}).")
+                seen[name] = raw_name
+                try:
+                    header = f.get_slice(raw_name)
+                    stored, shape = header.get_dtype(), tuple(header.get_shape())
+                except (SafetensorError, RuntimeError, OSError) as e:
+                    raise CheckpointError(f"Cannot read tensor {raw_name!r} from {file}: {e}.") from None
+                headers.append((stored, shape))
+                entries.append(_Entry(file, raw_name, name, target))
+    # Dtypes first (a format that does not match the config), then shapes.
+    for entry, (stored, _) in zip(entries, headers, strict=True):
+        _check_dtype(entry.raw_name, entry.file, stored, entry.target.kind, model.cfg, config)
+    for entry, (_, shape) in zip(entries, headers, strict=True):
+        if shape != entry.target.shape:
+            raise CheckpointError(
+                f"Tensor {entry.raw_name!r} in {entry.file} has shape {shape}, expected {entry.target.shape}"
+                f"{_shape_hint(entry.target)}."
+            )
+    missing = sorted(set(targets) - set(seen))
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(
             f"Missing tensor {', '.join(map(repr, missing[:3]))}{more} in the checkpoint at {model_dir}."
         )
+    return entries
+
+
+def _check_dtype(raw_name: str, file: str, stored: str, kind: str, cfg, config: Path) -> None:
+    if stored in _STORED_AS[kind]:
+        return
+    what = f"Tensor {raw_name!r} in {file} is stored as {stored}"
+    quant = cfg.quantization
+    if kind == "float" and stored in _QUANTIZED_DTYPES:
+        if quant is None:
+            raise CheckpointError(
+                f"{what} (a quantized format), but {config} has no quantization_config; a published checkpoint's "
+                "config declares it."
+            )
+        raise CheckpointError(f"{what}, but this tensor is never quantized: it must be F32, BF16 or F16.")
+    if kind == "fp8":
+        expert = ".experts." in raw_name
+        field = "expert_dtype 'fp8'" if expert else "quantization_config (fp8)"
+        hint = " (I8 is packed FP4: expert_dtype 'fp4')" if stored in ("I8", "U8") else ""
+        raise CheckpointError(f"{what}, but the config's {field} says F8_E4M3{hint} ({config}).")
+    if kind == "fp4":
+        raise CheckpointError(
+            f"{what}, but the config's expert_dtype 'fp4' says I8 (two FP4 values per byte) ({config})."
+        )
+    if kind == "scale":
+        raise CheckpointError(f"{what}; a UE8M0 scale must be F8_E8M0 (or its bytes as U8).")
+    expected = " or ".join(_STORED_AS[kind])
+    raise CheckpointError(f"{what}, expected {expected}.")
+
+
+def _shape_hint(target: _Target) -> str:
+    if target.kind == "fp4":
+        return " (FP4 packs two values per byte: the inner dimension is half the config's input size)"
+    if target.kind == "scale":
+        per_row = target.tensor.dim() == 3  # FP4 experts' scales [E, out, in / 32]
+        return f" (one UE8M0 scale per {'32 inputs of a row' if per_row else '128x128 block'})"
+    return ""
+
+
+def load_weights(model: DeepseekV4, model_dir: str | Path, progress: bool = True) -> None:
+    """Fills every parameter and persistent buffer of `model` from the checkpoint; the headers are checked
+    first (check_checkpoint), so a bad checkpoint fails before any tensor is read."""
+    entries = check_checkpoint(model, model_dir)
+    with tqdm(
+        total=len(entries), desc="Loading weights", unit="tensor", disable=None if progress else True, leave=False
+    ) as bar:
+        by_file: dict[str, list[_Entry]] = {}
+        for entry in entries:
+            by_file.setdefault(entry.file, []).append(entry)
+        for file, file_entries in by_file.items():
+            with _open(file) as f:
+                for entry in file_entries:
+                    bar.update(1)
+                    tensor = _read(f, entry.raw_name, file)
+                    target = entry.target
+                    if target.kind in ("fp4", "scale"):  # bytes as they are: never convert the values
+                        tensor = tensor.view(torch.uint8)
+                    target.view(target.tensor).copy_(tensor)
 
 
 def _read(f, name: str, file: str) -> torch.Tensor:
