@@ -16,6 +16,7 @@ from leanserve.model import cpu_kernels as ck
 from leanserve.model import decode, torch_ops
 from leanserve.model.backend import TorchBackend
 from leanserve.model.hyper import MixWeights
+from leanserve.model.quant import Fp4Weight, Fp8Experts, Fp8Weight
 
 # Up to this many rows, a linear layer, a grouped linear and the whole MoE run as compiled loops (decode and
 # verification steps): at these sizes torch's matmuls cost several times the arithmetic in call and packing
@@ -42,19 +43,25 @@ def _activations(*tensors: torch.Tensor | None, strided: tuple[torch.Tensor, ...
     return not any(t.dtype is not _F32 or not t.is_cpu or t.requires_grad for t in strided)
 
 
-def _weights(weights: tuple) -> bool:
-    """Plain weights of one dtype the kernels read (float32 or bfloat16), contiguous CPU tensors without
-    autograd."""
+def _plain(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_cpu and not t.requires_grad and t.is_contiguous()
+
+
+def _weights(weights: tuple, quantized: tuple[type, ...] = ()) -> bool:
+    """Weights the kernels read: plain ones of one dtype (float32 or bfloat16), or quantized ones of the types
+    `quantized` (their tensors plain), contiguous CPU tensors without autograd."""
     dtype = getattr(weights[0], "dtype", None)
     return all(
-        isinstance(t, torch.Tensor)
-        and t.dtype is dtype
-        and dtype in _WEIGHT_DTYPES
-        and t.is_cpu
-        and not t.requires_grad
-        and t.is_contiguous()
-        for t in weights
+        _plain(w) and w.dtype is dtype and dtype in _WEIGHT_DTYPES
+        if isinstance(w, torch.Tensor)
+        else isinstance(w, quantized) and all(_plain(t) for t in _tensors(w))
+        for w in weights
     )
+
+
+def _linear_weights(weights: tuple) -> bool:
+    """Weights of a `linears` call the kernels read: FP8 ones, and plain ones of one dtype."""
+    return _weights(tuple([w for w in weights if not isinstance(w, Fp8Weight)]) or (weights[0],), (Fp8Weight,))
 
 
 def numpy_views(obj):
@@ -109,19 +116,18 @@ class CpuBackend(TorchBackend):
     # --- small ops ------------------------------------------------------------------------------------
     def linears(self, x, weights):
         rows = x.numel() // x.shape[-1]
-        if rows <= FEW_ROWS and _activations(x) and _weights(weights):
-            views = tuple([ck.weight_np(w) for w in weights])
+        if rows <= FEW_ROWS and _activations(x) and _linear_weights(weights):
+            views = tuple([numpy_views(w) for w in weights])  # (FP8 and plain weights: one kernel call each)
             outs = ck.matmuls(x.view(rows, x.shape[-1]).numpy(), views)
             return tuple([torch.from_numpy(o).view(*x.shape[:-1], o.shape[1]) for o in outs])
         return super().linears(x, weights)
 
     def grouped_linear(self, x, weight):
-        if x.shape[0] <= FEW_ROWS and _activations(x) and _weights((weight,)):
-            w = ck.weight_np(weight).reshape(x.shape[1], -1, x.shape[2])
-            out = x.new_empty(x.shape[0], x.shape[1], w.shape[1])
-            ck.grouped_linear(x.shape[0] * weight.numel(), x.numpy(), w, out.numpy())
-            return out
-        return super().grouped_linear(x, weight)
+        if x.shape[0] <= FEW_ROWS and _activations(x) and _weights((weight,), (Fp8Weight,)):
+            w = numpy_views(weight)
+            w = w if isinstance(w, Fp8Weight) else w.reshape(x.shape[1], -1, x.shape[2])
+            return torch.from_numpy(decode.grouped_linear_arrays(x.numpy(), w))
+        return super().grouped_linear(x, weight)  # (an FP8 weight: dequantized for the call, one weight)
 
     def rms_norm(self, x, eps, weight=None):
         if _activations(x, weight):
@@ -203,7 +209,7 @@ class CpuBackend(TorchBackend):
         return out
 
     def experts(self, rows, counts, w13, w2, limit):
-        if not _weights((w13, w2)):  # (quantized experts: the torch statement, one expert dequantized at a time)
+        if not _weights((w13, w2)):  # (quantized experts, a prefill: one expert dequantized at a time)
             return super().experts(rows, counts, w13, w2, limit)
         w13, w2 = w13.to(rows.dtype), w2.to(rows.dtype)  # (bfloat16 weights: widened once, for either way)
         padded = padded_experts(rows, counts, w13, w2, limit)
@@ -215,19 +221,23 @@ class CpuBackend(TorchBackend):
     def moe(self, moe, x, input_ids):
         if x.shape[0] <= FEW_ROWS and _activations(x):
             w = moe.weights()
-            if _weights((w.gate, w.w13, w.w2, w.shared_w1, w.shared_w3, w.shared_w2)):
+            quant = (Fp8Weight, Fp8Experts, Fp4Weight)
+            if (
+                _weights((w.gate,))
+                and _weights((w.w13, w.w2), quant)
+                and _weights((w.shared_w1, w.shared_w3, w.shared_w2), (Fp8Weight,))
+            ):
                 views = self.kept_views(moe, moe.weights)
                 return torch.from_numpy(decode.moe_arrays(x.numpy(), input_ids.numpy(), views))
         return super().moe(moe, x, input_ids)
 
     # --- decode-sized steps, whole ----------------------------------------------------------------------
     @staticmethod
-    def decode_step(fb, act_dtype: torch.dtype, quantized: bool) -> bool:
+    def decode_step(fb, act_dtype: torch.dtype) -> bool:
         """Whether a step runs whole as numpy arrays: short chunks whose rows go into the rings first (one
-        attention group), float32 activations on the CPU, plain weights."""
+        attention group), float32 activations on the CPU (weights plain, or FP8 / FP4 as published)."""
         return (
             act_dtype == _F32
-            and not quantized
             and fb.num_tokens <= DECODE_TOKENS
             and len(fb.groups) == 1
             and fb.window_write_first
@@ -245,7 +255,7 @@ class CpuBackend(TorchBackend):
         return plan
 
     def run_blocks(self, model, fb, caches, ropes, streams):
-        if not self.decode_step(fb, model.act_dtype, model.cfg.quantization is not None):
+        if not self.decode_step(fb, model.act_dtype):
             return super().run_blocks(model, fb, caches, ropes, streams)
         plans = [self.plan(block, caches[key]) for key, block in model.layers.items()]
         embed = self.kept_views(model.embed, model.embed.table) if streams is None else None
@@ -253,7 +263,7 @@ class CpuBackend(TorchBackend):
         return torch.from_numpy(decode.run_blocks(embed, plans, model.cfg.hc_mult, decode.Step(fb, ropes), s))
 
     def run_mtp(self, mtp, streams, embedded, fb, cache, ropes):
-        if not (self.decode_step(fb, streams.dtype, mtp.quantized) and _activations(streams, embedded)):
+        if not (self.decode_step(fb, streams.dtype) and _activations(streams, embedded)):
             return super().run_mtp(mtp, streams, embedded, fb, cache, ropes)
         w = self.kept_views(mtp, mtp.mtp_weights)
         x = decode.mtp_inputs(w, streams.numpy(), embedded.numpy())
