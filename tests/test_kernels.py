@@ -181,11 +181,12 @@ def _fill_quantized(model: torch.nn.Module, plain: torch.nn.Module) -> None:
                 t.copy_(source[name])
 
 
-@pytest.mark.parametrize("rows", [1, 5, 17, 64])
+@pytest.mark.parametrize("rows", [1, 5, 17, 64, 70])
 @pytest.mark.parametrize(("out_features", "in_features"), [(256, 384), (300, 200), (41, 64)])
 def test_fp8_linear_matches_torch(rows, out_features, in_features):
     # FP8 weights are dequantized in registers: the same sums as the float32 kernel on the dequantized weight
     # (exactly), and torch's matmul on it up to float32 summation order. One call may mix FP8 and plain weights.
+    # (70 rows: a prefill's, torch matmuls on each weight dequantized alone.)
     from leanserve.model.quant import dense, quantize_fp8
 
     gen = torch.Generator().manual_seed(rows * in_features)
@@ -213,9 +214,10 @@ def test_fp8_grouped_linear_matches_torch(rows):
 
 @pytest.mark.parametrize("kind", ["moe", "hash_moe"])
 @pytest.mark.parametrize("experts", ["fp4", "fp8"])
-@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 70])
 def test_quantized_moe_few_tokens_matches_torch(kind, experts, tokens):
-    # FP4 or FP8 routed experts and an FP8 shared expert, read as stored by the few-token MoE kernel.
+    # FP4 or FP8 routed experts and an FP8 shared expert, read as stored by the few-token MoE kernel (70 tokens:
+    # a prefill's, through the torch statement, one expert dequantized at a time).
     from dataclasses import replace
 
     from leanserve.config import ModelConfig, Quantization

@@ -554,14 +554,21 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
     # out[:n, :m] = x[:n] @ W[r0 : r0 + m]^T, m = out.shape[1], for the FP8 weight W: q [J, K] (e4m3 bytes),
     # s [ceil(J / 128), ceil(K / 128)] UE8M0 exponents
     m, k_dim = out.shape[1], q.shape[1]
+    full = k_dim // FP8_BLOCK
     buf = np.empty((ROW_BLOCK, k_dim), dtype=np.float32)
     for j0 in range(0, m, ROW_BLOCK):
         block = min(ROW_BLOCK, m - j0)
         for r in range(block):
             row = r0 + j0 + r
-            for c0 in range(0, k_dim, FP8_BLOCK):
-                sc = _ue8m0(s[row // FP8_BLOCK, c0 // FP8_BLOCK])
-                for k in range(c0, min(k_dim, c0 + FP8_BLOCK)):
+            srow = row // FP8_BLOCK
+            for kb in range(full):  # (a fixed trip count: the loop vectorises)
+                sc = _ue8m0(s[srow, kb])
+                base = kb * FP8_BLOCK
+                for i in range(FP8_BLOCK):
+                    buf[r, base + i] = _e4m3(q[row, base + i]) * sc
+            if full * FP8_BLOCK < k_dim:
+                sc = _ue8m0(s[srow, full])
+                for k in range(full * FP8_BLOCK, k_dim):
                     buf[r, k] = _e4m3(q[row, k]) * sc
         _linear_rows_f32_jit(x, buf[:block], out[:, j0 : j0 + block], n)
 
@@ -577,10 +584,11 @@ def _fp4_rows(x, packed, s, out, n):  # pragma: no cover - compiled
             row = j0 + r
             for g in range(2 * half // FP4_GROUP):
                 sc = _ue8m0(s[row, g])
-                for i in range(g * (FP4_GROUP // 2), (g + 1) * (FP4_GROUP // 2)):
-                    byte = np.int32(packed[row, i])
-                    buf[r, 2 * i] = _e2m1(byte & np.int32(15)) * sc
-                    buf[r, 2 * i + 1] = _e2m1(byte >> np.int32(4)) * sc
+                base = g * (FP4_GROUP // 2)
+                for i in range(FP4_GROUP // 2):
+                    byte = np.int32(packed[row, base + i])
+                    buf[r, 2 * (base + i)] = _e2m1(byte & np.int32(15)) * sc
+                    buf[r, 2 * (base + i) + 1] = _e2m1(byte >> np.int32(4)) * sc
         _linear_rows_f32_jit(x, buf[:block], out[:, j0 : j0 + block], n)
 
 
