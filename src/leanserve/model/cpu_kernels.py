@@ -516,7 +516,8 @@ grouped_linear = Threaded(_grouped_linear, min_work=1 << 18)
 # --- FP8 / FP4 weights, dequantized as they are read (see quant.py) -------------------------------------------
 # A block of ROW_BLOCK weight rows is decoded into a float32 buffer (values times their block's scale, the same
 # float32 products as quant.py's dequantization) and goes through the float32 loops: the same sums as on the
-# dequantized weight. The decoders are integer arithmetic and a select (they vectorise): an e4m3 byte's magnitude
+# dequantized weight. For one row of x (decode at batch 1) the decoded values meet x in registers instead, each
+# scale block's sum then times its scale (exact: a power of two), a different float32 summation order. The decoders are integer arithmetic and a select (they vectorise): an e4m3 byte's magnitude
 # bits shifted into a float32's exponent and mantissa, rebased; its subnormals (exponent 0) as m * 2^-9. The
 # e4m3fn NaN bytes (0x7F, 0xFF) are not decoded as NaN (the quantizers never write them).
 FP8_BLOCK = 128
@@ -555,6 +556,24 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
     # s [ceil(J / 128), ceil(K / 128)] UE8M0 exponents
     m, k_dim = out.shape[1], q.shape[1]
     full = k_dim // FP8_BLOCK
+    if n == 1:  # one row (decode at batch 1): each block's sum of products in registers, then times its scale
+        for j in range(m):
+            row = r0 + j
+            srow = row // FP8_BLOCK
+            total = np.float32(0.0)
+            for kb in range(full):
+                base = kb * FP8_BLOCK
+                acc = np.float32(0.0)
+                for i in range(FP8_BLOCK):
+                    acc += _e4m3(q[row, base + i]) * x[0, base + i]
+                total += acc * _ue8m0(s[srow, kb])
+            if full * FP8_BLOCK < k_dim:
+                acc = np.float32(0.0)
+                for k in range(full * FP8_BLOCK, k_dim):
+                    acc += _e4m3(q[row, k]) * x[0, k]
+                total += acc * _ue8m0(s[srow, full])
+            out[0, j] = total
+        return
     buf = np.empty((ROW_BLOCK, k_dim), dtype=np.float32)
     for j0 in range(0, m, ROW_BLOCK):
         block = min(ROW_BLOCK, m - j0)
@@ -577,6 +596,20 @@ def _fp4_rows(x, packed, s, out, n):  # pragma: no cover - compiled
     # out[:n, :m] = x[:n] @ W[:m]^T for the FP4 weight W: packed [J, K / 2] (element 2i in the low nibble of byte
     # i), s [J, K / 32] UE8M0 exponents
     m, half = out.shape[1], packed.shape[1]
+    step = FP4_GROUP // 2
+    if n == 1:  # one row: each group's sum of products in registers, then times its scale
+        for row in range(m):
+            total = np.float32(0.0)
+            for g in range(2 * half // FP4_GROUP):
+                base = g * step
+                acc = np.float32(0.0)
+                for i in range(step):
+                    byte = np.int32(packed[row, base + i])
+                    acc += _e2m1(byte & np.int32(15)) * x[0, 2 * (base + i)]
+                    acc += _e2m1(byte >> np.int32(4)) * x[0, 2 * (base + i) + 1]
+                total += acc * _ue8m0(s[row, g])
+            out[0, row] = total
+        return
     buf = np.empty((ROW_BLOCK, 2 * half), dtype=np.float32)
     for j0 in range(0, m, ROW_BLOCK):
         block = min(ROW_BLOCK, m - j0)
@@ -584,8 +617,8 @@ def _fp4_rows(x, packed, s, out, n):  # pragma: no cover - compiled
             row = j0 + r
             for g in range(2 * half // FP4_GROUP):
                 sc = _ue8m0(s[row, g])
-                base = g * (FP4_GROUP // 2)
-                for i in range(FP4_GROUP // 2):
+                base = g * step
+                for i in range(step):
                     byte = np.int32(packed[row, base + i])
                     buf[r, 2 * (base + i)] = _e2m1(byte & np.int32(15)) * sc
                     buf[r, 2 * (base + i) + 1] = _e2m1(byte >> np.int32(4)) * sc
