@@ -181,6 +181,22 @@ def _fill_quantized(model: torch.nn.Module, plain: torch.nn.Module) -> None:
                 t.copy_(source[name])
 
 
+def test_kernels_dequantize_as_quant_py():
+    # Every e4m3 byte (but its NaNs) and every e2m1 code, times scales from 2^-127 to 2^127: the kernels' decoding
+    # is quant.py's dequantization, bit for bit (prefill dequantizes with it; the few-row kernels decode the same).
+    from leanserve.model.cpu_backend import numpy_views
+    from leanserve.model.quant import Fp4Weight, Fp8Weight
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.arange(256, dtype=torch.uint8).repeat(300, 3)[:, :700]  # [300, 700]: partial scale blocks
+    q[(q & 0x7F) == 0x7F] = 0
+    w8 = Fp8Weight(q.view(torch.float8_e4m3fn), torch.randint(0, 255, (3, 6), dtype=torch.uint8, generator=gen))
+    w4 = Fp4Weight(torch.randint(0, 256, (40, 48), dtype=torch.uint8, generator=gen),
+                   torch.randint(0, 255, (40, 3), dtype=torch.uint8, generator=gen))  # fmt: skip
+    for w in (w8, w4):
+        assert torch.equal(torch.from_numpy(cpu_kernels.dequantized(numpy_views(w))), w.dequantize())
+
+
 @pytest.mark.parametrize("rows", [1, 5, 17, 64, 70])
 @pytest.mark.parametrize(("out_features", "in_features"), [(256, 384), (300, 200), (41, 64)])
 def test_fp8_linear_matches_torch(rows, out_features, in_features):
@@ -288,12 +304,13 @@ def _decode_with_mtp(model, runner_cls, prompt: list[int], steps: int):
 def test_quantized_model_decodes_as_the_torch_backend(experts, quantized_models, lean_runner_cls):
     # A published-format model (FP8 linears, FP4 / FP8 experts) decodes the same greedy tokens with the same
     # log-probabilities (trunk and MTP layer) on the CPU backend, which reads the stored formats in its kernels,
-    # as on the torch backend, which dequantizes them per call. (36 prompt tokens + 10: compressed rows past
-    # the indexer's top-k.)
+    # as on the torch backend, which dequantizes them per call. (A 70-token prefill: torch matmuls on weights the
+    # kernels dequantize one at a time; then 9 decode steps through the kernels; compressed rows past the
+    # indexer's top-k.)
     from leanserve.model.backend import TorchBackend
 
     model = quantized_models[experts]
-    prompt = list(range(3, 39))
+    prompt = list(range(3, 73))
     outs = {}
     for name, backend in (("cpu", _cpu()), ("torch", TorchBackend())):
         set_backend(model, backend)

@@ -120,6 +120,10 @@ class CpuBackend(TorchBackend):
             views = tuple([numpy_views(w) for w in weights])  # (FP8 and plain weights: one kernel call each)
             outs = ck.matmuls(x.view(rows, x.shape[-1]).numpy(), views)
             return tuple([torch.from_numpy(o).view(*x.shape[:-1], o.shape[1]) for o in outs])
+        if _activations(x) and _linear_weights(weights) and any(isinstance(w, Fp8Weight) for w in weights):
+            # (a prefill: torch matmuls, each FP8 weight dequantized alone by the kernels just before its own)
+            return tuple([F.linear(x, _dense(w)) if isinstance(w, Fp8Weight) else torch_ops.linears(x, (w,))[0]
+                          for w in weights])  # fmt: skip
         return super().linears(x, weights)
 
     def grouped_linear(self, x, weight):
@@ -127,7 +131,9 @@ class CpuBackend(TorchBackend):
             w = numpy_views(weight)
             w = w if isinstance(w, Fp8Weight) else w.reshape(x.shape[1], -1, x.shape[2])
             return torch.from_numpy(decode.grouped_linear_arrays(x.numpy(), w))
-        return super().grouped_linear(x, weight)  # (an FP8 weight: dequantized for the call, one weight)
+        if isinstance(weight, Fp8Weight) and _activations(x) and _weights((weight,), (Fp8Weight,)):
+            return torch_ops.grouped_linear(x, _dense(weight))  # (a prefill: dequantized by the kernels for the call)
+        return super().grouped_linear(x, weight)
 
     def rms_norm(self, x, eps, weight=None):
         if _activations(x, weight):
@@ -209,7 +215,10 @@ class CpuBackend(TorchBackend):
         return out
 
     def experts(self, rows, counts, w13, w2, limit):
-        if not _weights((w13, w2)):  # (quantized experts, a prefill: one expert dequantized at a time)
+        if _activations(rows) and _weights((w13, w2), (Fp4Weight, Fp8Experts)) and not _weights((w13, w2)):
+            # (quantized experts, a prefill: one expert at a time dequantized by the kernels, then torch matmuls)
+            return torch_ops.experts(rows, counts, w13, w2, limit, _dequantized_mm)
+        if not _weights((w13, w2)):
             return super().experts(rows, counts, w13, w2, limit)
         w13, w2 = w13.to(rows.dtype), w2.to(rows.dtype)  # (bfloat16 weights: widened once, for either way)
         padded = padded_experts(rows, counts, w13, w2, limit)
@@ -269,6 +278,33 @@ class CpuBackend(TorchBackend):
         x = decode.mtp_inputs(w, streams.numpy(), embedded.numpy())
         out = decode.block_arrays(self.plan(mtp, cache), x, decode.Step(fb, ropes))
         return torch.from_numpy(decode.hc_pre_arrays(out, w.head)[0]), torch.from_numpy(out)
+
+
+def _dense(w: Fp8Weight | Fp4Weight) -> torch.Tensor:
+    """One quantized matrix dequantized by the kernels: a new float32 tensor (the caller's scratch)."""
+    return torch.from_numpy(ck.dequantized(numpy_views(w)))
+
+
+def _expert_dense(w: Fp4Weight | Fp8Experts, e: int) -> torch.Tensor:
+    """Expert e of stacked quantized experts, dequantized alone (quant.expert_matrix's values)."""
+    if isinstance(w, Fp4Weight):
+        return _dense(Fp4Weight(w.packed[e], w.scale[e]))
+    halves = w.scale.shape[1]
+    out = torch.empty(w.q.shape[1], w.q.shape[2])
+    for h, (q, part) in enumerate(zip(w.q[e].chunk(halves), out.chunk(halves), strict=True)):
+        ck.dequantized(numpy_views(Fp8Weight(q, w.scale[e, h])), part.numpy())
+    return out
+
+
+def _dequantized_mm(x: torch.Tensor, w, ends: torch.Tensor) -> torch.Tensor:
+    """torch_ops.grouped_mm_loop for quantized experts: each expert dequantized alone by the kernels."""
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            torch.mm(x[start:end], _expert_dense(w, e).T, out=out[start:end])
+        start = end
+    return out
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

@@ -551,6 +551,37 @@ if numba is not None:
     _e2m1 = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_e2m1)
 
 
+def _fp8_row(q, s, row, buf, r):  # pragma: no cover - compiled: buf[r] = row `row` of the FP8 weight (q, s)
+    k_dim = q.shape[1]
+    full = k_dim // FP8_BLOCK
+    srow = row // FP8_BLOCK
+    for kb in range(full):  # (a fixed trip count: the loop vectorises)
+        sc = _ue8m0(s[srow, kb])
+        base = kb * FP8_BLOCK
+        for i in range(FP8_BLOCK):
+            buf[r, base + i] = _e4m3(q[row, base + i]) * sc
+    if full * FP8_BLOCK < k_dim:
+        sc = _ue8m0(s[srow, full])
+        for k in range(full * FP8_BLOCK, k_dim):
+            buf[r, k] = _e4m3(q[row, k]) * sc
+
+
+def _fp4_row(packed, s, row, buf, r):  # pragma: no cover - compiled: buf[r] = row `row` of the FP4 weight
+    step = FP4_GROUP // 2
+    for g in range(s.shape[1]):
+        sc = _ue8m0(s[row, g])
+        base = g * step
+        for i in range(step):
+            byte = np.int32(packed[row, base + i])
+            buf[r, 2 * (base + i)] = _e2m1(byte & np.int32(15)) * sc
+            buf[r, 2 * (base + i) + 1] = _e2m1(byte >> np.int32(4)) * sc
+
+
+if numba is not None:
+    _fp8_row = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_fp8_row)
+    _fp4_row = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_fp4_row)
+
+
 def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
     # out[:n, :m] = x[:n] @ W[r0 : r0 + m]^T, m = out.shape[1], for the FP8 weight W: q [J, K] (e4m3 bytes),
     # s [ceil(J / 128), ceil(K / 128)] UE8M0 exponents
@@ -578,17 +609,7 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
     for j0 in range(0, m, ROW_BLOCK):
         block = min(ROW_BLOCK, m - j0)
         for r in range(block):
-            row = r0 + j0 + r
-            srow = row // FP8_BLOCK
-            for kb in range(full):  # (a fixed trip count: the loop vectorises)
-                sc = _ue8m0(s[srow, kb])
-                base = kb * FP8_BLOCK
-                for i in range(FP8_BLOCK):
-                    buf[r, base + i] = _e4m3(q[row, base + i]) * sc
-            if full * FP8_BLOCK < k_dim:
-                sc = _ue8m0(s[srow, full])
-                for k in range(full * FP8_BLOCK, k_dim):
-                    buf[r, k] = _e4m3(q[row, k]) * sc
+            _fp8_row(q, s, r0 + j0 + r, buf, r)
         _linear_rows_f32_jit(x, buf[:block], out[:, j0 : j0 + block], n)
 
 
@@ -614,19 +635,41 @@ def _fp4_rows(x, packed, s, out, n):  # pragma: no cover - compiled
     for j0 in range(0, m, ROW_BLOCK):
         block = min(ROW_BLOCK, m - j0)
         for r in range(block):
-            row = j0 + r
-            for g in range(2 * half // FP4_GROUP):
-                sc = _ue8m0(s[row, g])
-                base = g * step
-                for i in range(step):
-                    byte = np.int32(packed[row, base + i])
-                    buf[r, 2 * (base + i)] = _e2m1(byte & np.int32(15)) * sc
-                    buf[r, 2 * (base + i) + 1] = _e2m1(byte >> np.int32(4)) * sc
+            _fp4_row(packed, s, j0 + r, buf, r)
         _linear_rows_f32_jit(x, buf[:block], out[:, j0 : j0 + block], n)
 
 
 _fp8_rows_jit = _jit(_fp8_rows)
 _fp4_rows_jit = _jit(_fp4_rows)
+
+
+def _fp8_dense(q, s, out):  # pragma: no cover - compiled: out [J, K] float32 = the FP8 weight (q, s) dequantized
+    for row in prange(q.shape[0]):
+        _fp8_row(q, s, row, out, row)
+
+
+def _fp4_dense(packed, s, out):  # pragma: no cover - compiled: out [J, K] float32 = the FP4 weight dequantized
+    for row in prange(packed.shape[0]):
+        _fp4_row(packed, s, row, out, row)
+
+
+# work = weight elements
+fp8_dense = Threaded(_fp8_dense, min_work=1 << 18)
+fp4_dense = Threaded(_fp4_dense, min_work=1 << 18)
+
+
+def dequantized(w, out: np.ndarray | None = None) -> np.ndarray:
+    """One FP8 or FP4 matrix (an Fp8Weight / Fp4Weight of numpy views) dequantized into float32 `out` (new when
+    None): the values of quant.py's dequantize, for torch matmuls over many rows (prefill)."""
+    values, scale = stored(w)
+    rows = values.shape[0]
+    if isinstance(w, Fp8Weight):
+        out = np.empty((rows, values.shape[1]), dtype=np.float32) if out is None else out
+        fp8_dense(out.size, values, scale, out)
+    else:
+        out = np.empty((rows, 2 * values.shape[1]), dtype=np.float32) if out is None else out
+        fp4_dense(out.size, values, scale, out)
+    return out
 
 
 def _matrix_rows(x, w, s, out, n):  # pragma: no cover - compiled through the overload below
