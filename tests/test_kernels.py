@@ -443,6 +443,35 @@ def test_threaded_kernels_match_one_thread():
                 assert abs(x[tok].logprob - y[tok].logprob) < 1e-5
 
 
+def test_quantized_kernels_threaded_match_one_thread():
+    # The threaded builds of the FP8 linear, grouped linear, dequantization and the MoE on FP4 experts: each task
+    # writes only its own outputs, so they agree with the one-thread builds (up to float32 rounding).
+    from leanserve.model.cpu_backend import numpy_views
+    from leanserve.model.quant import quantize_fp4, quantize_fp8
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 384, generator=gen)
+    w = quantize_fp8(torch.randn(300, 384, generator=gen))
+    wo_a = quantize_fp8(torch.randn(2 * 96, 192, generator=gen))
+    w4 = quantize_fp4(torch.randn(512, 512, generator=gen))
+    cpu = _cpu()
+
+    def run():
+        return [*cpu.linears(x, (w,)), cpu.grouped_linear(x.view(8, 2, 192), wo_a),
+                torch.from_numpy(cpu_kernels.dequantized(numpy_views(w4)))]  # fmt: skip
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threaded = run()
+    finally:
+        torch.set_num_threads(threads)
+    with cpu_kernels.one_thread():
+        one = run()
+    for a, b in zip(threaded, one, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_index_select_matches_torch_with_ties():
     from types import SimpleNamespace
 
