@@ -137,6 +137,214 @@ def test_moe_few_tokens_matches_grouped(kind, scoring, weight_dtype):
     torch.testing.assert_close(fast, moe(x, ids), rtol=1e-4, atol=1e-5)
 
 
+def _quantized_experts(w: torch.Tensor, kind: str, halves: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked float experts [E, out, in] as stored (values, scales): FP4, or FP8 with a scale grid per half of
+    the rows (w13: its w1 and w3 halves, 2; w2: 1)."""
+    from leanserve.model.quant import quantize_fp4, quantize_fp8
+
+    if kind == "fp4":
+        parts = [quantize_fp4(e) for e in w]
+        return torch.stack([p.packed for p in parts]), torch.stack([p.scale for p in parts])
+    qs, scales = [], []
+    for e in w:
+        parts = [quantize_fp8(h) for h in e.chunk(halves)]
+        qs.append(torch.cat([p.q for p in parts]))
+        scales.append(torch.stack([p.scale for p in parts]))
+    return torch.stack(qs), torch.stack(scales)
+
+
+def _fill_quantized(model: torch.nn.Module, plain: torch.nn.Module) -> None:
+    """Fills a model built with a quantization config from a plain one of the same config otherwise: FP8 linears
+    and FP4 / FP8 experts quantized from the plain weights, everything else copied."""
+    from leanserve.model.layers import Linear
+    from leanserve.model.moe import Experts
+    from leanserve.model.quant import quantize_fp8
+
+    source = {**dict(plain.named_parameters()), **dict(plain.named_buffers())}
+    done = set()
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            prefix = f"{name}." if name else ""
+            if isinstance(m, Linear) and m.quant == "fp8":
+                w = quantize_fp8(source[prefix + "weight"])
+                m.weight.copy_(w.q)
+                m.scale.copy_(w.scale)
+                done |= {prefix + "weight", prefix + "scale"}
+            elif isinstance(m, Experts) and m.quant is not None:
+                for part, halves in (("w13", 2), ("w2", 1)):
+                    values, scale = _quantized_experts(source[prefix + part], m.quant, halves)
+                    getattr(m, part).copy_(values)
+                    getattr(m, f"{part}_scale").copy_(scale)
+                    done |= {prefix + part, f"{prefix}{part}_scale"}
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name not in done:
+                t.copy_(source[name])
+
+
+def test_kernels_dequantize_as_quant_py():
+    # Every e4m3 byte (but its NaNs) and every e2m1 code, times scales from 2^-127 to 2^127: the kernels' decoding
+    # is quant.py's dequantization, bit for bit (prefill dequantizes with it; the few-row kernels decode the same).
+    from leanserve.model.cpu_backend import numpy_views
+    from leanserve.model.quant import Fp4Weight, Fp8Weight
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.arange(256, dtype=torch.uint8).repeat(300, 3)[:, :700]  # [300, 700]: partial scale blocks
+    q[(q & 0x7F) == 0x7F] = 0
+    w8 = Fp8Weight(q.view(torch.float8_e4m3fn), torch.randint(0, 255, (3, 6), dtype=torch.uint8, generator=gen))
+    w4 = Fp4Weight(torch.randint(0, 256, (40, 48), dtype=torch.uint8, generator=gen),
+                   torch.randint(0, 255, (40, 3), dtype=torch.uint8, generator=gen))  # fmt: skip
+    for w in (w8, w4):
+        assert torch.equal(torch.from_numpy(cpu_kernels.dequantized(numpy_views(w))), w.dequantize())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17, 64, 70])
+@pytest.mark.parametrize(("out_features", "in_features"), [(256, 384), (300, 200), (41, 64)])
+def test_fp8_linear_matches_torch(rows, out_features, in_features):
+    # FP8 weights are dequantized in registers: the same sums as the float32 kernel on the dequantized weight
+    # (exactly, but for one row), and torch's matmul on it up to float32 summation order. One call may mix FP8 and plain weights.
+    # (70 rows: a prefill's, torch matmuls on each weight dequantized alone.)
+    from leanserve.model.quant import dense, quantize_fp8
+
+    gen = torch.Generator().manual_seed(rows * in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = quantize_fp8(torch.randn(out_features, in_features, generator=gen) * 0.3)
+    w2 = quantize_fp8(torch.randn(130, in_features, generator=gen))
+    plain = torch.randn(7, in_features, generator=gen).to(torch.bfloat16)
+    fast, ref = _both("linears", x, (w, plain, w2))
+    for a, b in zip(fast, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+    same = _cpu().linears(x, (dense(w, torch.float32),))[0]
+    if rows == 1:  # (one row: each 128-input block summed, then scaled; float32 summation order)
+        torch.testing.assert_close(fast[0], same, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(fast[0], same)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 64])
+def test_fp8_grouped_linear_matches_torch(rows):
+    # wo_a as stored: [groups * out, in] with 128-row scale blocks that need not align with the groups (out 96).
+    from leanserve.model.quant import quantize_fp8
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 3, 160, generator=gen)
+    w = quantize_fp8(torch.randn(3 * 96, 160, generator=gen))
+    fast, ref = _both("grouped_linear", x, w)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["moe", "hash_moe"])
+@pytest.mark.parametrize("experts", ["fp4", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 70])
+def test_quantized_moe_few_tokens_matches_torch(kind, experts, tokens):
+    # FP4 or FP8 routed experts and an FP8 shared expert, read as stored by the few-token MoE kernel (70 tokens:
+    # a prefill's, through the torch statement, one expert dequantized at a time).
+    from dataclasses import replace
+
+    from leanserve.config import ModelConfig, Quantization
+    from leanserve.model.moe import MoE
+
+    cfg = ModelConfig.from_hf("models/dsv4-stdlib-8m")
+    gen = torch.Generator().manual_seed(tokens)
+    plain = MoE(cfg, kind).requires_grad_(False)
+    for p in plain.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    if kind == "hash_moe":
+        plain.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, plain.gate.tid2eid.shape, generator=gen))
+    moe = MoE(replace(cfg, quantization=Quantization(experts)), kind).requires_grad_(False)
+    _fill_quantized(moe, plain)
+    x = torch.randn(tokens, cfg.hidden_size, generator=gen)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen)
+    set_backend(moe, _cpu())
+    fast = moe(x, ids)
+    set_backend(moe, TORCH)
+    torch.testing.assert_close(fast, moe(x, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def quantized_models(tiny_model):
+    """The tiny model (with its MTP layer) as a published checkpoint would store it: FP8 linears and FP4 or FP8
+    routed experts, quantized from its weights."""
+    from dataclasses import replace
+
+    from leanserve.config import Quantization
+    from leanserve.model.deepseek_v4 import build_model
+
+    models = {}
+    for experts in ("fp4", "fp8"):
+        cfg = replace(tiny_model.cfg, quantization=Quantization(experts))
+        model = build_model(cfg, max_positions=256, dtype=torch.float32, with_mtp=True)
+        _fill_quantized(model, tiny_model)
+        models[experts] = model
+    return models
+
+
+def _decode_with_mtp(model, runner_cls, prompt: list[int], steps: int):
+    """Greedy decoding through the trunk with the MTP layer run after every step (as speculative decoding does):
+    the tokens, the trunk's and the MTP layer's log-probabilities at each step."""
+    from leanserve.model.batch import Chunk, build_forward_batch
+
+    cfg = model.cfg
+    run = runner_cls(model, 1, 256)
+    tokens, logprobs, start, chunk = [], [], 0, list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            hidden = torch.empty(len(chunk), cfg.hc_mult * cfg.hidden_size)
+            logits = model(build_forward_batch([Chunk(0, start, chunk)], run.geo), run.caches, target_hidden=hidden)
+            lp = torch.log_softmax(logits[-1], -1)
+            tokens.append(int(lp.argmax()))
+            nxt = chunk[1:] + [tokens[-1]]
+            streams = hidden.view(len(chunk), cfg.hc_mult, cfg.hidden_size)
+            mtp_logits, _ = model.mtp_forward(streams, build_forward_batch([Chunk(0, start, nxt)], run.geo), run.caches)
+            logprobs.append((lp, torch.log_softmax(mtp_logits[-1], -1)))
+            start, chunk = start + len(chunk), [tokens[-1]]
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("experts", ["fp4", "fp8"])
+def test_quantized_model_decodes_as_the_torch_backend(experts, quantized_models, lean_runner_cls):
+    # A published-format model (FP8 linears, FP4 / FP8 experts) decodes the same greedy tokens with the same
+    # log-probabilities (trunk and MTP layer) on the CPU backend, which reads the stored formats in its kernels,
+    # as on the torch backend, which dequantizes them per call. (A 70-token prefill: torch matmuls on weights the
+    # kernels dequantize one at a time; then 9 decode steps through the kernels; compressed rows past the
+    # indexer's top-k.)
+    from leanserve.model.backend import TorchBackend
+
+    model = quantized_models[experts]
+    prompt = list(range(3, 73))
+    outs = {}
+    for name, backend in (("cpu", _cpu()), ("torch", TorchBackend())):
+        set_backend(model, backend)
+        outs[name] = _decode_with_mtp(model, lean_runner_cls, prompt, 10)
+    set_backend(model, _cpu())
+    assert outs["cpu"][0] == outs["torch"][0]
+    for (a, am), (b, bm) in zip(outs["cpu"][1], outs["torch"][1], strict=True):
+        assert (a - b).abs().max() < 1e-4 and (am - bm).abs().max() < 1e-4
+
+
+def test_quantized_decode_steps_take_the_cpu_fast_path(quantized_models, lean_runner_cls, monkeypatch):
+    # Quantized models' decode steps (and their MTP steps) run whole through decode.run_blocks and
+    # decode.mtp_inputs, the kernels reading FP8 / FP4 weights as stored.
+    from leanserve.model import decode
+
+    calls = {"blocks": 0, "mtp": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+
+        return wrapped
+
+    monkeypatch.setattr(decode, "run_blocks", counting("blocks", decode.run_blocks))
+    monkeypatch.setattr(decode, "mtp_inputs", counting("mtp", decode.mtp_inputs))
+    for model in quantized_models.values():
+        set_backend(model, _cpu())
+        calls.update(blocks=0, mtp=0)
+        tokens, _ = _decode_with_mtp(model, lean_runner_cls, list(range(3, 13)), 6)
+        assert len(tokens) == 6
+        assert calls["blocks"] >= 5 and calls["mtp"] >= 5  # every step after the 10-token prefill
+
+
 def test_padded_experts_match_grouped_matmul():
     from leanserve.model.cpu_backend import padded_experts
     from leanserve.model.torch_ops import experts as grouped_experts
@@ -233,6 +441,35 @@ def test_threaded_kernels_match_one_thread():
             assert x.keys() == y.keys()
             for tok in x:
                 assert abs(x[tok].logprob - y[tok].logprob) < 1e-5
+
+
+def test_quantized_kernels_threaded_match_one_thread():
+    # The threaded builds of the FP8 linear, grouped linear, dequantization and the MoE on FP4 experts: each task
+    # writes only its own outputs, so they agree with the one-thread builds (up to float32 rounding).
+    from leanserve.model.cpu_backend import numpy_views
+    from leanserve.model.quant import quantize_fp4, quantize_fp8
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 384, generator=gen)
+    w = quantize_fp8(torch.randn(300, 384, generator=gen))
+    wo_a = quantize_fp8(torch.randn(2 * 96, 192, generator=gen))
+    w4 = quantize_fp4(torch.randn(512, 512, generator=gen))
+    cpu = _cpu()
+
+    def run():
+        return [*cpu.linears(x, (w,)), cpu.grouped_linear(x.view(8, 2, 192), wo_a),
+                torch.from_numpy(cpu_kernels.dequantized(numpy_views(w4)))]  # fmt: skip
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threaded = run()
+    finally:
+        torch.set_num_threads(threads)
+    with cpu_kernels.one_thread():
+        one = run()
+    for a, b in zip(threaded, one, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_index_select_matches_torch_with_ties():

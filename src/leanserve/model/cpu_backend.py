@@ -16,6 +16,7 @@ from leanserve.model import cpu_kernels as ck
 from leanserve.model import decode, torch_ops
 from leanserve.model.backend import TorchBackend
 from leanserve.model.hyper import MixWeights
+from leanserve.model.quant import Fp4Weight, Fp8Experts, Fp8Weight
 
 # Up to this many rows, a linear layer, a grouped linear and the whole MoE run as compiled loops (decode and
 # verification steps): at these sizes torch's matmuls cost several times the arithmetic in call and packing
@@ -42,19 +43,25 @@ def _activations(*tensors: torch.Tensor | None, strided: tuple[torch.Tensor, ...
     return not any(t.dtype is not _F32 or not t.is_cpu or t.requires_grad for t in strided)
 
 
-def _weights(weights: tuple) -> bool:
-    """Plain weights of one dtype the kernels read (float32 or bfloat16), contiguous CPU tensors without
-    autograd."""
+def _plain(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_cpu and not t.requires_grad and t.is_contiguous()
+
+
+def _weights(weights: tuple, quantized: tuple[type, ...] = ()) -> bool:
+    """Weights the kernels read: plain ones of one dtype (float32 or bfloat16), or quantized ones of the types
+    `quantized` (their tensors plain), contiguous CPU tensors without autograd."""
     dtype = getattr(weights[0], "dtype", None)
     return all(
-        isinstance(t, torch.Tensor)
-        and t.dtype is dtype
-        and dtype in _WEIGHT_DTYPES
-        and t.is_cpu
-        and not t.requires_grad
-        and t.is_contiguous()
-        for t in weights
+        _plain(w) and w.dtype is dtype and dtype in _WEIGHT_DTYPES
+        if isinstance(w, torch.Tensor)
+        else isinstance(w, quantized) and all(_plain(t) for t in _tensors(w))
+        for w in weights
     )
+
+
+def _linear_weights(weights: tuple) -> bool:
+    """Weights of a `linears` call the kernels read: FP8 ones, and plain ones of one dtype."""
+    return _weights(tuple([w for w in weights if not isinstance(w, Fp8Weight)]) or (weights[0],), (Fp8Weight,))
 
 
 def numpy_views(obj):
@@ -109,18 +116,23 @@ class CpuBackend(TorchBackend):
     # --- small ops ------------------------------------------------------------------------------------
     def linears(self, x, weights):
         rows = x.numel() // x.shape[-1]
-        if rows <= FEW_ROWS and _activations(x) and _weights(weights):
-            views = tuple([ck.weight_np(w) for w in weights])
+        if rows <= FEW_ROWS and _activations(x) and _linear_weights(weights):
+            views = tuple([numpy_views(w) for w in weights])  # (FP8 and plain weights: one kernel call each)
             outs = ck.matmuls(x.view(rows, x.shape[-1]).numpy(), views)
             return tuple([torch.from_numpy(o).view(*x.shape[:-1], o.shape[1]) for o in outs])
+        if _activations(x) and _linear_weights(weights) and any(isinstance(w, Fp8Weight) for w in weights):
+            # (a prefill: torch matmuls, each FP8 weight dequantized alone by the kernels just before its own)
+            return tuple([F.linear(x, _dense(w)) if isinstance(w, Fp8Weight) else torch_ops.linears(x, (w,))[0]
+                          for w in weights])  # fmt: skip
         return super().linears(x, weights)
 
     def grouped_linear(self, x, weight):
-        if x.shape[0] <= FEW_ROWS and _activations(x) and _weights((weight,)):
-            w = ck.weight_np(weight).reshape(x.shape[1], -1, x.shape[2])
-            out = x.new_empty(x.shape[0], x.shape[1], w.shape[1])
-            ck.grouped_linear(x.shape[0] * weight.numel(), x.numpy(), w, out.numpy())
-            return out
+        if x.shape[0] <= FEW_ROWS and _activations(x) and _weights((weight,), (Fp8Weight,)):
+            w = numpy_views(weight)
+            w = w if isinstance(w, Fp8Weight) else w.reshape(x.shape[1], -1, x.shape[2])
+            return torch.from_numpy(decode.grouped_linear_arrays(x.numpy(), w))
+        if isinstance(weight, Fp8Weight) and _activations(x) and _weights((weight,), (Fp8Weight,)):
+            return torch_ops.grouped_linear(x, _dense(weight))  # (a prefill: dequantized by the kernels for the call)
         return super().grouped_linear(x, weight)
 
     def rms_norm(self, x, eps, weight=None):
@@ -203,7 +215,10 @@ class CpuBackend(TorchBackend):
         return out
 
     def experts(self, rows, counts, w13, w2, limit):
-        if not _weights((w13, w2)):  # (quantized experts: the torch statement, one expert dequantized at a time)
+        if _activations(rows) and _weights((w13, w2), (Fp4Weight, Fp8Experts)) and not _weights((w13, w2)):
+            # (quantized experts, a prefill: one expert at a time dequantized by the kernels, then torch matmuls)
+            return torch_ops.experts(rows, counts, w13, w2, limit, _dequantized_mm)
+        if not _weights((w13, w2)):
             return super().experts(rows, counts, w13, w2, limit)
         w13, w2 = w13.to(rows.dtype), w2.to(rows.dtype)  # (bfloat16 weights: widened once, for either way)
         padded = padded_experts(rows, counts, w13, w2, limit)
@@ -215,19 +230,23 @@ class CpuBackend(TorchBackend):
     def moe(self, moe, x, input_ids):
         if x.shape[0] <= FEW_ROWS and _activations(x):
             w = moe.weights()
-            if _weights((w.gate, w.w13, w.w2, w.shared_w1, w.shared_w3, w.shared_w2)):
+            quant = (Fp8Weight, Fp8Experts, Fp4Weight)
+            if (
+                _weights((w.gate,))
+                and _weights((w.w13, w.w2), quant)
+                and _weights((w.shared_w1, w.shared_w3, w.shared_w2), (Fp8Weight,))
+            ):
                 views = self.kept_views(moe, moe.weights)
                 return torch.from_numpy(decode.moe_arrays(x.numpy(), input_ids.numpy(), views))
         return super().moe(moe, x, input_ids)
 
     # --- decode-sized steps, whole ----------------------------------------------------------------------
     @staticmethod
-    def decode_step(fb, act_dtype: torch.dtype, quantized: bool) -> bool:
+    def decode_step(fb, act_dtype: torch.dtype) -> bool:
         """Whether a step runs whole as numpy arrays: short chunks whose rows go into the rings first (one
-        attention group), float32 activations on the CPU, plain weights."""
+        attention group), float32 activations on the CPU (weights plain, or FP8 / FP4 as published)."""
         return (
             act_dtype == _F32
-            and not quantized
             and fb.num_tokens <= DECODE_TOKENS
             and len(fb.groups) == 1
             and fb.window_write_first
@@ -245,7 +264,7 @@ class CpuBackend(TorchBackend):
         return plan
 
     def run_blocks(self, model, fb, caches, ropes, streams):
-        if not self.decode_step(fb, model.act_dtype, model.cfg.quantization is not None):
+        if not self.decode_step(fb, model.act_dtype):
             return super().run_blocks(model, fb, caches, ropes, streams)
         plans = [self.plan(block, caches[key]) for key, block in model.layers.items()]
         embed = self.kept_views(model.embed, model.embed.table) if streams is None else None
@@ -253,12 +272,39 @@ class CpuBackend(TorchBackend):
         return torch.from_numpy(decode.run_blocks(embed, plans, model.cfg.hc_mult, decode.Step(fb, ropes), s))
 
     def run_mtp(self, mtp, streams, embedded, fb, cache, ropes):
-        if not (self.decode_step(fb, streams.dtype, mtp.quantized) and _activations(streams, embedded)):
+        if not (self.decode_step(fb, streams.dtype) and _activations(streams, embedded)):
             return super().run_mtp(mtp, streams, embedded, fb, cache, ropes)
         w = self.kept_views(mtp, mtp.mtp_weights)
         x = decode.mtp_inputs(w, streams.numpy(), embedded.numpy())
         out = decode.block_arrays(self.plan(mtp, cache), x, decode.Step(fb, ropes))
         return torch.from_numpy(decode.hc_pre_arrays(out, w.head)[0]), torch.from_numpy(out)
+
+
+def _dense(w: Fp8Weight | Fp4Weight) -> torch.Tensor:
+    """One quantized matrix dequantized by the kernels: a new float32 tensor (the caller's scratch)."""
+    return torch.from_numpy(ck.dequantized(numpy_views(w)))
+
+
+def _expert_dense(w: Fp4Weight | Fp8Experts, e: int) -> torch.Tensor:
+    """Expert e of stacked quantized experts, dequantized alone (quant.expert_matrix's values)."""
+    if isinstance(w, Fp4Weight):
+        return _dense(Fp4Weight(w.packed[e], w.scale[e]))
+    halves = w.scale.shape[1]
+    out = torch.empty(w.q.shape[1], w.q.shape[2])
+    for h, (q, part) in enumerate(zip(w.q[e].chunk(halves), out.chunk(halves), strict=True)):
+        ck.dequantized(numpy_views(Fp8Weight(q, w.scale[e, h])), part.numpy())
+    return out
+
+
+def _dequantized_mm(x: torch.Tensor, w, ends: torch.Tensor) -> torch.Tensor:
+    """torch_ops.grouped_mm_loop for quantized experts: each expert dequantized alone by the kernels."""
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            torch.mm(x[start:end], _expert_dense(w, e).T, out=out[start:end])
+        start = end
+    return out
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ import types
 import numpy as np
 import torch
 
+from leanserve.model.quant import Fp4Weight, Fp8Experts, Fp8Weight
+
 try:
     import numba
     import numba.extending
@@ -153,8 +155,10 @@ def available() -> bool:
 
 
 def weight_np(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a tensor for the kernels; bfloat16 (which numpy lacks) as its raw uint16 bits."""
+    """A numpy view of a tensor for the kernels; bfloat16 and float8 (which numpy lacks) as their raw bits."""
     t = t.detach()
+    if t.dtype == torch.float8_e4m3fn:  # (FP8 weights: their bytes)
+        return t.view(torch.uint8).numpy()
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
@@ -477,10 +481,20 @@ def _linear(x, ws, outs):  # pragma: no cover - compiled
 linear = Threaded(_linear, min_work=1 << 18)
 
 
-def matmuls(x: np.ndarray, weights: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
-    """x [T, in] @ w^T for each weight [out, in] (float32, or bfloat16 bits), in one call: new float32 arrays."""
+def matmuls(x: np.ndarray, weights: tuple) -> tuple[np.ndarray, ...]:
+    """x [T, in] @ w^T for each weight [out, in] (float32, bfloat16 bits, or an Fp8Weight of numpy views), in
+    one call per format: new float32 arrays."""
     outs = tuple([np.empty((x.shape[0], w.shape[0]), dtype=np.float32) for w in weights])
-    linear(x.shape[0] * sum([w.size for w in weights]), x, weights, outs)
+    groups: dict = {}
+    for i, w in enumerate(weights):
+        groups.setdefault("fp8" if isinstance(w, Fp8Weight) else w.dtype, []).append(i)
+    for kind, idx in groups.items():
+        ws, os_ = [weights[i] for i in idx], tuple([outs[i] for i in idx])
+        work = x.shape[0] * sum([w.shape[0] * w.shape[1] for w in ws])
+        if kind == "fp8":
+            linear_fp8(work, x, tuple([w.q for w in ws]), tuple([w.scale for w in ws]), os_)
+        else:
+            linear(work, x, tuple(ws), os_)
     return outs
 
 
@@ -499,6 +513,241 @@ def _grouped_linear(x, w, out):  # pragma: no cover - compiled
 grouped_linear = Threaded(_grouped_linear, min_work=1 << 18)
 
 
+# --- FP8 / FP4 weights, dequantized as they are read (see quant.py) -------------------------------------------
+# A block of ROW_BLOCK weight rows is decoded into a float32 buffer (values times their block's scale, the same
+# float32 products as quant.py's dequantization) and goes through the float32 loops: the same sums as on the
+# dequantized weight. For one row of x (decode at batch 1) the decoded values meet x in registers instead, each
+# scale block's sum then times its scale (exact: a power of two), a different float32 summation order. The decoders are integer arithmetic and a select (they vectorise): an e4m3 byte's magnitude
+# bits shifted into a float32's exponent and mantissa, rebased; its subnormals (exponent 0) as m * 2^-9. The
+# e4m3fn NaN bytes (0x7F, 0xFF) are not decoded as NaN (the quantizers never write them).
+FP8_BLOCK = 128
+FP4_GROUP = 32
+
+
+def _ue8m0(e):  # pragma: no cover - compiled: a UE8M0 exponent byte -> 2^(e - 127)
+    e = np.int32(e)
+    return _f32_from_bits(e << np.int32(23)) if e > 0 else np.float32(2.0**-127)
+
+
+def _e4m3(b):  # pragma: no cover - compiled: an e4m3fn byte -> float32
+    b = np.int32(b)
+    mag = b & np.int32(0x7F)
+    normal = _f32_from_bits((mag << np.int32(20)) + np.int32(120 << 23))  # 2^(E-7) * (1 + m/8)
+    v = normal if mag >= np.int32(8) else np.float32(mag) * np.float32(2.0**-9)
+    return -v if b & np.int32(0x80) else v
+
+
+def _e2m1(c):  # pragma: no cover - compiled: an FP4 e2m1 code (0..15) -> float32
+    c = np.int32(c)
+    mag = c & np.int32(7)
+    normal = _f32_from_bits((mag << np.int32(22)) + np.int32(126 << 23))  # 2^(E-1) * (1 + m/2)
+    v = normal if mag >= np.int32(2) else np.float32(mag) * np.float32(0.5)
+    return -v if c & np.int32(8) else v
+
+
+if numba is not None:
+    _ue8m0 = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_ue8m0)
+    _e4m3 = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_e4m3)
+    _e2m1 = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_e2m1)
+
+
+def _fp8_row(q, s, row, buf, r):  # pragma: no cover - compiled: buf[r] = row `row` of the FP8 weight (q, s)
+    k_dim = q.shape[1]
+    full = k_dim // FP8_BLOCK
+    srow = row // FP8_BLOCK
+    for kb in range(full):  # (a fixed trip count: the loop vectorises)
+        sc = _ue8m0(s[srow, kb])
+        base = kb * FP8_BLOCK
+        for i in range(FP8_BLOCK):
+            buf[r, base + i] = _e4m3(q[row, base + i]) * sc
+    if full * FP8_BLOCK < k_dim:
+        sc = _ue8m0(s[srow, full])
+        for k in range(full * FP8_BLOCK, k_dim):
+            buf[r, k] = _e4m3(q[row, k]) * sc
+
+
+def _fp4_row(packed, s, row, buf, r):  # pragma: no cover - compiled: buf[r] = row `row` of the FP4 weight
+    step = FP4_GROUP // 2
+    for g in range(s.shape[1]):
+        sc = _ue8m0(s[row, g])
+        base = g * step
+        for i in range(step):
+            byte = np.int32(packed[row, base + i])
+            buf[r, 2 * (base + i)] = _e2m1(byte & np.int32(15)) * sc
+            buf[r, 2 * (base + i) + 1] = _e2m1(byte >> np.int32(4)) * sc
+
+
+if numba is not None:
+    _fp8_row = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_fp8_row)
+    _fp4_row = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_fp4_row)
+
+
+def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
+    # out[:n, :m] = x[:n] @ W[r0 : r0 + m]^T, m = out.shape[1], for the FP8 weight W: q [J, K] (e4m3 bytes),
+    # s [ceil(J / 128), ceil(K / 128)] UE8M0 exponents
+    m, k_dim = out.shape[1], q.shape[1]
+    full = k_dim // FP8_BLOCK
+    if n == 1:  # one row (decode at batch 1): each block's sum of products in registers, then times its scale
+        for j in range(m):
+            row = r0 + j
+            srow = row // FP8_BLOCK
+            total = np.float32(0.0)
+            for kb in range(full):
+                base = kb * FP8_BLOCK
+                acc = np.float32(0.0)
+                for i in range(FP8_BLOCK):
+                    acc += _e4m3(q[row, base + i]) * x[0, base + i]
+                total += acc * _ue8m0(s[srow, kb])
+            if full * FP8_BLOCK < k_dim:
+                acc = np.float32(0.0)
+                for k in range(full * FP8_BLOCK, k_dim):
+                    acc += _e4m3(q[row, k]) * x[0, k]
+                total += acc * _ue8m0(s[srow, full])
+            out[0, j] = total
+        return
+    buf = np.empty((ROW_BLOCK, k_dim), dtype=np.float32)
+    for j0 in range(0, m, ROW_BLOCK):
+        block = min(ROW_BLOCK, m - j0)
+        for r in range(block):
+            _fp8_row(q, s, r0 + j0 + r, buf, r)
+        _linear_rows_f32_jit(x, buf[:block], out[:, j0 : j0 + block], n)
+
+
+def _fp4_rows(x, packed, s, out, n):  # pragma: no cover - compiled
+    # out[:n, :m] = x[:n] @ W[:m]^T for the FP4 weight W: packed [J, K / 2] (element 2i in the low nibble of byte
+    # i), s [J, K / 32] UE8M0 exponents
+    m, half = out.shape[1], packed.shape[1]
+    step = FP4_GROUP // 2
+    if n == 1:  # one row: each group's sum of products in registers, then times its scale
+        for row in range(m):
+            total = np.float32(0.0)
+            for g in range(2 * half // FP4_GROUP):
+                base = g * step
+                acc = np.float32(0.0)
+                for i in range(step):
+                    byte = np.int32(packed[row, base + i])
+                    acc += _e2m1(byte & np.int32(15)) * x[0, 2 * (base + i)]
+                    acc += _e2m1(byte >> np.int32(4)) * x[0, 2 * (base + i) + 1]
+                total += acc * _ue8m0(s[row, g])
+            out[0, row] = total
+        return
+    buf = np.empty((ROW_BLOCK, 2 * half), dtype=np.float32)
+    for j0 in range(0, m, ROW_BLOCK):
+        block = min(ROW_BLOCK, m - j0)
+        for r in range(block):
+            _fp4_row(packed, s, j0 + r, buf, r)
+        _linear_rows_f32_jit(x, buf[:block], out[:, j0 : j0 + block], n)
+
+
+_fp8_rows_jit = _jit(_fp8_rows)
+_fp4_rows_jit = _jit(_fp4_rows)
+
+
+def _fp8_dense(q, s, out):  # pragma: no cover - compiled: out [J, K] float32 = the FP8 weight (q, s) dequantized
+    for row in prange(q.shape[0]):
+        _fp8_row(q, s, row, out, row)
+
+
+def _fp4_dense(packed, s, out):  # pragma: no cover - compiled: out [J, K] float32 = the FP4 weight dequantized
+    for row in prange(packed.shape[0]):
+        _fp4_row(packed, s, row, out, row)
+
+
+# work = weight elements
+fp8_dense = Threaded(_fp8_dense, min_work=1 << 18)
+fp4_dense = Threaded(_fp4_dense, min_work=1 << 18)
+
+
+def dequantized(w, out: np.ndarray | None = None) -> np.ndarray:
+    """One FP8 or FP4 matrix (an Fp8Weight / Fp4Weight of numpy views) dequantized into float32 `out` (new when
+    None): the values of quant.py's dequantize, for torch matmuls over many rows (prefill)."""
+    values, scale = stored(w)
+    rows = values.shape[0]
+    if isinstance(w, Fp8Weight):
+        out = np.empty((rows, values.shape[1]), dtype=np.float32) if out is None else out
+        fp8_dense(out.size, values, scale, out)
+    else:
+        out = np.empty((rows, 2 * values.shape[1]), dtype=np.float32) if out is None else out
+        fp4_dense(out.size, values, scale, out)
+    return out
+
+
+def _matrix_rows(x, w, s, out, n):  # pragma: no cover - compiled through the overload below
+    """out[:n] = x[:n] @ W^T for a plain weight w (float32 or bfloat16 bits; s empty, 1-d) or an FP8 one (w its
+    bytes, s its 2-d scale grid)."""
+
+
+def _expert_rows(x, w, s, e, out, n):  # pragma: no cover - compiled through the overload below
+    """out[:n] = x[:n] @ W_e^T for expert e of stacked experts: plain (s empty, 1-d), FP4 (s [E, out, in / 32]) or
+    FP8 (s [E, halves, ...]: each half of the rows with its own scale grid)."""
+
+
+if numba is not None:
+
+    @numba.extending.overload(_matrix_rows)
+    def _matrix_rows_typed(x, w, s, out, n):
+        if s.ndim == 1:
+            return lambda x, w, s, out, n: _linear_rows(x, w, out, n)
+        return lambda x, w, s, out, n: _fp8_rows_jit(x, w, s, 0, out, n)
+
+    @numba.extending.overload(_expert_rows)
+    def _expert_rows_typed(x, w, s, e, out, n):
+        if s.ndim == 1:
+            return lambda x, w, s, e, out, n: _linear_rows(x, w[e], out, n)
+        if s.ndim == 3:
+            return lambda x, w, s, e, out, n: _fp4_rows_jit(x, w[e], s[e], out, n)
+
+        def fp8_halves(x, w, s, e, out, n):
+            halves = s.shape[1]
+            m = w.shape[1] // halves
+            for h in range(halves):
+                _fp8_rows_jit(x, w[e, h * m : (h + 1) * m], s[e, h], 0, out[:, h * m : (h + 1) * m], n)
+
+        return fp8_halves
+
+
+def _linear_fp8(x, qs, ss, outs):  # pragma: no cover - compiled
+    # outs[i] = x @ W_i^T for a tuple of FP8 weights (bytes qs[i], scales ss[i]), in chunks of LINEAR_CHUNK rows
+    ends = np.zeros(len(qs) + 1, dtype=np.int64)
+    for i in range(len(qs)):
+        ends[i + 1] = ends[i] + (qs[i].shape[0] + LINEAR_CHUNK - 1) // LINEAR_CHUNK
+    for task in prange(ends[len(qs)]):
+        i = 0
+        while ends[i + 1] <= task:
+            i += 1
+        q, out = qs[i], outs[i]
+        j0 = (task - ends[i]) * LINEAR_CHUNK
+        j1 = min(q.shape[0], j0 + LINEAR_CHUNK)
+        _fp8_rows_jit(x, q, ss[i], j0, out[:, j0:j1], x.shape[0])
+
+
+linear_fp8 = Threaded(_linear_fp8, min_work=1 << 18)
+
+
+def _grouped_linear_fp8(x, q, s, out):  # pragma: no cover - compiled
+    # out [T, G, J] = per group g: x[:, g] [T, K] @ W[g * J : (g + 1) * J]^T for the FP8 weight W [G * J, K]
+    n, groups, rows = x.shape[0], x.shape[1], out.shape[2]
+    for g in prange(groups):
+        part = np.empty((n, x.shape[2]), dtype=np.float32)
+        res = np.empty((n, rows), dtype=np.float32)
+        part[:] = x[:, g]
+        _fp8_rows_jit(part, q, s, g * rows, res, n)
+        out[:, g] = res
+
+
+grouped_linear_fp8 = Threaded(_grouped_linear_fp8, min_work=1 << 18)
+
+
+def stored(w) -> tuple[np.ndarray, np.ndarray]:
+    """A weight's numpy view (plain, or an Fp8Weight / Fp4Weight / Fp8Experts of numpy views) as the kernels take
+    it: (values, scale), the scale EMPTY for a plain weight."""
+    if isinstance(w, Fp8Weight | Fp8Experts):
+        return w.q, w.scale
+    if isinstance(w, Fp4Weight):
+        return w.packed, w.scale
+    return w, EMPTY
+
+
 # --- MoE for a few tokens --------------------------------------------------------------------------------
 def _silu_glu(g, u, limit):  # pragma: no cover - compiled
     g = min(g, limit)
@@ -509,14 +758,16 @@ def _silu_glu(g, u, limit):  # pragma: no cover - compiled
 _silu_glu_jit = _jit(_silu_glu)
 
 
-def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13, w2, sw1, sw3, sw2, limit, out):
+def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3,
+                sw3_s, sw2, sw2_s, limit, out):  # fmt: skip
     # (compiled) The whole MoE for a decode-sized batch: per token, router scores (0 = sqrt(softplus),
     # 1 = sigmoid, 2 = softmax) and top-k by score + bias (or the hash table when tid2eid is not empty),
     # weights normalised and times route_scale; then per expert, its tokens through its SwiGLU (each expert's
     # weights read once), and the shared expert over all tokens.
-    # x, out [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; sw1/sw3 [I', H]; sw2 [H, I'].
+    # x, out [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; sw1/sw3 [I', H]; sw2 [H, I'], each with its scale (stored():
+    # EMPTY for plain weights; the experts FP4 or FP8, the shared expert FP8, see _expert_rows / _matrix_rows).
     n, hidden = x.shape
-    num_experts, inter = w13.shape[0], w2.shape[2]
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
     scores = np.empty(num_experts, dtype=np.float32)
     keyed = np.empty(num_experts, dtype=np.float32)
     counts = np.zeros(num_experts + 1, dtype=np.int64)
@@ -598,22 +849,22 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
             c = e - num_experts
             t0, t1 = c * n // chunks, (c + 1) * n // chunks
             gates, ups = np.empty((t1 - t0, shared), dtype=np.float32), np.empty((t1 - t0, shared), dtype=np.float32)
-            _linear_rows_jit(x[t0:t1], sw1, gates, t1 - t0)
-            _linear_rows_jit(x[t0:t1], sw3, ups, t1 - t0)
+            _matrix_rows(x[t0:t1], sw1, sw1_s, gates, t1 - t0)
+            _matrix_rows(x[t0:t1], sw3, sw3_s, ups, t1 - t0)
             for t in range(t1 - t0):
                 for i in range(shared):
                     gates[t, i] = _silu_glu_jit(gates[t, i], ups[t, i], limit)
-            _linear_rows_jit(gates, sw2, out[t0:t1], t1 - t0)
+            _matrix_rows(gates, sw2, sw2_s, out[t0:t1], t1 - t0)
             continue
         first, last = counts[e], counts[e + 1]
         for r in range(first, last):
             for k in range(hidden):
                 rows[r, k] = x[token_of[r], k]
-        _linear_rows_jit(rows[first:last], w13[e], both[first:last], last - first)
+        _expert_rows(rows[first:last], w13, w13_s, e, both[first:last], last - first)
         for r in range(first, last):
             for i in range(inter):
                 act[r, i] = _silu_glu_jit(both[r, i], both[r, inter + i], limit) * weight_of[r]
-        _linear_rows_jit(act[first:last], w2[e], ys[first:last], last - first)
+        _expert_rows(act[first:last], w2, w2_s, e, ys[first:last], last - first)
     # Add the routed experts' outputs in expert order.
     for r in range(pairs):
         t = token_of[r]

@@ -25,6 +25,7 @@ from leanserve.model.cache import LayerCache
 from leanserve.model.compressor import CompressorWeights
 from leanserve.model.hyper import MixWeights
 from leanserve.model.moe import MoEWeights
+from leanserve.model.quant import Fp8Weight
 
 NO_ROWS = np.empty((1, 0, 1), dtype=np.float32)
 NO_CHOICE = np.empty((0, 0, 0), dtype=np.bool_)
@@ -98,14 +99,28 @@ def attend_arrays(w: AttentionWeights, q, ring, new_kv, group, most: int, visibl
 
 
 def moe_arrays(x: np.ndarray, input_ids: np.ndarray, w: MoEWeights) -> np.ndarray:
-    """The whole MoE as one compiled call: x, out [T, hidden] float32."""
+    """The whole MoE as one compiled call: x, out [T, hidden] float32 (experts plain, FP4 or FP8; the shared
+    expert plain or FP8)."""
     out = np.empty_like(x)
     bias = ck.EMPTY if w.bias is None else w.bias
     table = NO_TABLE if w.tid2eid is None else w.tid2eid
     ck.moe_tokens(
-        x.shape[0], x, input_ids, w.gate, bias, table, w.top_k, SCORING[w.scoring], w.route_scale, w.w13, w.w2,
-        w.shared_w1, w.shared_w3, w.shared_w2, w.limit, out,
+        x.shape[0], x, input_ids, w.gate, bias, table, w.top_k, SCORING[w.scoring], w.route_scale, *ck.stored(w.w13),
+        *ck.stored(w.w2), *ck.stored(w.shared_w1), *ck.stored(w.shared_w3), *ck.stored(w.shared_w2), w.limit, out,
     )  # fmt: skip
+    return out
+
+
+def grouped_linear_arrays(x: np.ndarray, w) -> np.ndarray:
+    """x [T, G, in] -> [T, G, out]: group g times w[g] [out, in]^T (w [G, out, in] float32 or bfloat16 bits), or
+    times rows [g * out, (g + 1) * out) of an Fp8Weight [G * out, in]."""
+    n, groups = x.shape[0], x.shape[1]
+    if isinstance(w, Fp8Weight):
+        out = np.empty((n, groups, w.q.shape[0] // groups), dtype=np.float32)
+        ck.grouped_linear_fp8(n * w.q.size, x, w.q, w.scale, out)
+    else:
+        out = np.empty((n, groups, w.shape[1]), dtype=np.float32)
+        ck.grouped_linear(n * w.size, x, w, out)
     return out
 
 
@@ -156,8 +171,8 @@ class Plan:
         self.cache = cache  # (kept: plans are looked up by the cache's id)
         self.tensors, self.ptrs = tensors, [t.data_ptr() for t in tensors]
         self.hc = w.attn_mix.fn.shape[1] // w.attn_mix.norm_weight.shape[0]  # streams: fn is [M, hc * hidden]
-        wo_a = w.attn.wo_a
-        self.wo_a = wo_a.reshape(w.attn.o_groups, -1, wo_a.shape[1])  # [groups, o_lora_rank, in / groups]
+        wo_a = w.attn.wo_a  # (an FP8 one is kept as it is: grouped_linear_arrays reads its rows by group)
+        self.wo_a = wo_a if isinstance(wo_a, Fp8Weight) else wo_a.reshape(w.attn.o_groups, -1, wo_a.shape[1])
         self.ring = cache.window_kv.numpy().reshape(-1, w.attn.head_dim)
         self.rows = cache_rows(cache)
         self.comp_rings = Rings.of(cache.comp_kv, cache.comp_gate, cache.comp_rows) if w.attn.compressor else None
@@ -224,9 +239,7 @@ def _attention(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
     visible = step.visible[w.layer_type] if most else step.no_visible
     out = np.empty((n, w.heads, dim), dtype=np.float32)
     attend_arrays(w, q, p.ring, NO_NEW_KV, step.group, most, visible, *p.rows, index_queries, angles, out)
-    wo_a = p.wo_a
-    low = np.empty((n, wo_a.shape[0], wo_a.shape[1]), dtype=np.float32)
-    ck.grouped_linear(n * wo_a.size, out.reshape(n, wo_a.shape[0], -1), wo_a, low)
+    low = grouped_linear_arrays(out.reshape(n, w.o_groups, -1), p.wo_a)
     return ck.matmuls(low.reshape(n, -1), (w.wo_b,))[0]
 
 

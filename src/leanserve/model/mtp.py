@@ -24,7 +24,7 @@ class MTPWeights:
 
     hnorm: torch.Tensor
     enorm: torch.Tensor
-    h_proj: torch.Tensor
+    h_proj: torch.Tensor  # (or an Fp8Weight: a published checkpoint's)
     e_proj: torch.Tensor
     eps: float
     block: BlockWeights
@@ -52,9 +52,7 @@ class MTPBlock(Block):
 
     def mtp_weights(self) -> MTPWeights:
         h, e = self.hnorm, self.enorm
-        return MTPWeights(
-            h.weight, e.weight, self.h_proj.weight, self.e_proj.weight, h.eps, self.weights(), self.head_mix()
-        )
+        return MTPWeights(h.weight, e.weight, self.h_proj.w(), self.e_proj.w(), h.eps, self.weights(), self.head_mix())
 
     def forward(
         self,
