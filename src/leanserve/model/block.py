@@ -31,7 +31,6 @@ class Block(UsesBackend, nn.Module):
     def __init__(self, cfg: ModelConfig, layer_type: str, mlp_type: str) -> None:
         super().__init__()
         self.layer_type = layer_type
-        self.quantized = cfg.quantization is not None  # (stored as published: FP8 linears, FP4 / FP8 experts)
         self.norm_eps, self.hc_eps, self.sinkhorn_iters = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer_type)

@@ -194,12 +194,6 @@ def build_model(
     directory), its safetensors headers are checked against the meta model first, so a checkpoint that does
     not fit fails before anything is allocated. The stage's backend is chosen here, once (see
     backend.select_backend), and sets the activations' dtype."""
-    if cfg.quantization is not None and backend != "torch":
-        # The CPU kernels do not read FP8 / FP4 weights yet (their attention path takes numpy views of plain
-        # weights): a published checkpoint runs the torch backend, which dequantizes per call.
-        if backend == "cpu":
-            raise ValueError("The cpu backend does not run FP8 / FP4 weights yet; use --backend torch (or auto).")
-        backend = "torch"
     ops = select_backend(device, dtype, backend)
     with torch.device("meta"), _default_dtype(dtype):
         model = DeepseekV4(cfg, max_positions, stage, with_mtp)
