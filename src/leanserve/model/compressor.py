@@ -66,20 +66,33 @@ class Compressor(UsesBackend, nn.Module):
             else:
                 kv_src = torch.cat([kv_flat, kv.to(kv_flat.dtype)])[meta.src]
                 gate_src = torch.cat([gate_flat, gate.to(gate_flat.dtype)])[meta.src]
-            span = meta.src.shape[1]
-            gate_src = gate_src + self.ape.repeat(span // self.ratio, 1)
-            if self.overlap:
-                r, d = self.ratio, self.dim
-                kv_src = torch.cat([kv_src[:, :r, :d], kv_src[:, r:, d:]], dim=1)  # [NW, 2r, dim]
-                gate_src = torch.cat([gate_src[:, :r, :d], gate_src[:, r:, d:]], dim=1)
-            gate_src = gate_src.masked_fill(~meta.src_valid[..., None], float("-inf"))
-            kv_src = kv_src.masked_fill(~meta.src_valid[..., None], 0.0)
-            weights = gate_src.softmax(dim=1, dtype=torch.float32).to(kv_src.dtype)
-            entries = self.norm((kv_src * weights).sum(dim=1))  # [NW, dim]
-            entries = self.ops.apply_rope(entries, row_rope)
+            entries = self.entries(kv_src, gate_src, meta.src_valid, row_rope)
             rows.view(-1, self.dim).index_copy_(0, meta.row_dst, entries.to(rows.dtype))
         if not meta.write_first:
             self._store(kv, gate, kv_flat, gate_flat, meta)
+
+    def entries(
+        self,
+        kv_src: torch.Tensor,  # [NW, span, width]: wkv of each window's source tokens, in order
+        gate_src: torch.Tensor,  # [NW, span, width]: their wgate
+        valid: torch.Tensor | None,  # [NW, span] bool: which source tokens exist (None: all)
+        row_rope: torch.Tensor,  # [NW, rope/2]: RoPE factors at each window's position
+    ) -> torch.Tensor:
+        """The entries [NW, dim] of NW windows: per channel, the softmax over the window of gate + ape weights
+        the sum of kv; then the norm and RoPE. A CSA window's span is 2r: the previous window's r tokens (their
+        Ca, the first half of the channels) then its own r (their Cb, the second half); an HCA window's is r."""
+        span = kv_src.shape[1]
+        gate_src = gate_src + self.ape.repeat(span // self.ratio, 1)
+        if self.overlap:
+            r, d = self.ratio, self.dim
+            kv_src = torch.cat([kv_src[:, :r, :d], kv_src[:, r:, d:]], dim=1)  # [NW, 2r, dim]
+            gate_src = torch.cat([gate_src[:, :r, :d], gate_src[:, r:, d:]], dim=1)
+        if valid is not None:
+            gate_src = gate_src.masked_fill(~valid[..., None], float("-inf"))
+            kv_src = kv_src.masked_fill(~valid[..., None], 0.0)
+        weights = gate_src.softmax(dim=1, dtype=torch.float32).to(kv_src.dtype)
+        entries = self.norm((kv_src * weights).sum(dim=1))  # [NW, dim]
+        return self.ops.apply_rope(entries, row_rope)
 
     def weights(self) -> CompressorWeights:
         return CompressorWeights(self.ape, self.norm.weight, self.norm.eps, self.overlap)
@@ -128,8 +141,16 @@ class Indexer(UsesBackend, nn.Module):
         """[NB, Bq, n] bool: the `topk` visible rows with the highest index scores, per query."""
         q, head_weights = group.gather(queries[0]), group.gather(queries[1])  # [NB, Bq, H, d], [NB, Bq, H]
         keys = rows[group.block_slot, : visible.shape[-1]].float()  # [NB, n, d]
+        return self.pick(self.scores(q, keys, head_weights).masked_fill(~visible, float("-inf")), visible)
+
+    def scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+        """sum_h w_h * ReLU(q_h . k) / sqrt(d): q [N, Q, H, d], keys [N, n, d], head_weights [N, Q, H] (float32,
+        see `queries`) -> [N, Q, n]."""
         scores = F.relu(torch.einsum("bqhd,bnd->bqhn", q, keys)) * self.head_dim**-0.5
-        scores = torch.einsum("bqhn,bqh->bqn", scores, head_weights).masked_fill(~visible, float("-inf"))
+        return torch.einsum("bqhn,bqh->bqn", scores, head_weights)
+
+    def pick(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """[N, Q, n] bool: the `topk` visible rows with the highest `scores` (-inf where not visible), per query."""
         # ReLU scores tie exactly (often at 0); a stable sort breaks ties by row index, so the choice does not
         # depend on how many rows the step pads to (torch.topk's tie order does).
         picked = scores.sort(dim=-1, descending=True, stable=True).indices[..., : self.topk]

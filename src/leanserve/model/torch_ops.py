@@ -36,14 +36,21 @@ def experts(rows, counts, w13, w2, limit: float, grouped_mm=None) -> torch.Tenso
 
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows [ends[e-1], ends[e]) of x times w[e]^T: x [N, in], w [E, out, in] -> [N, out]. Each expert's weights
-    are read once, and only its own rows are computed."""
-    out = x.new_empty(x.shape[0], w.shape[1])
-    start = 0
+    are read once, and only its own rows are computed. (Under autograd the pieces are concatenated: `out=`
+    does not take gradients.)"""
+    grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+    out = None if grad else x.new_empty(x.shape[0], w.shape[1])
+    pieces, start = [], 0
     for e, end in enumerate(ends.tolist()):
         if end > start:
-            torch.mm(x[start:end], w[e].T, out=out[start:end])
+            if grad:
+                pieces.append(F.linear(x[start:end], w[e]))
+            else:
+                torch.mm(x[start:end], w[e].T, out=out[start:end])
         start = end
-    return out
+    if not grad:
+        return out
+    return torch.cat(pieces) if pieces else x.new_zeros(0, w.shape[1])
 
 
 def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
