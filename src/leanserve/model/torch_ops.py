@@ -27,30 +27,20 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 def experts(rows, counts, w13, w2, limit: float, grouped_mm=None) -> torch.Tensor:
     """The routed experts' SwiGLU over rows [N, hidden] grouped by expert (counts [E] rows each), w13 [E, 2I,
     hidden] (gate | up), w2 [E, hidden, I] -> [N, hidden]; `grouped_mm` (x, w, ends) -> x's rows times their
-    expert's w^T, one matmul per expert by default."""
-    mm = grouped_mm or grouped_mm_loop
+    expert's w^T. By default each expert in turn: its weights are read once, only its own rows are computed
+    (and autograd takes it: training runs this too)."""
+    w13, w2 = w13.to(rows.dtype), w2.to(rows.dtype)
     ends = torch.cumsum(counts, 0)
-    gate, up = mm(rows, w13.to(rows.dtype), ends).chunk(2, dim=-1)  # [N, I] each
-    return mm(swiglu(gate, up, limit), w2.to(rows.dtype), ends)  # [N, hidden]
-
-
-def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Rows [ends[e-1], ends[e]) of x times w[e]^T: x [N, in], w [E, out, in] -> [N, out]. Each expert's weights
-    are read once, and only its own rows are computed. (Under autograd the pieces are concatenated: `out=`
-    does not take gradients.)"""
-    grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-    out = None if grad else x.new_empty(x.shape[0], w.shape[1])
-    pieces, start = [], 0
+    if grouped_mm is not None:
+        gate, up = grouped_mm(rows, w13, ends).chunk(2, dim=-1)  # [N, I] each
+        return grouped_mm(swiglu(gate, up, limit), w2, ends)  # [N, hidden]
+    outs, start = [], 0
     for e, end in enumerate(ends.tolist()):
         if end > start:
-            if grad:
-                pieces.append(F.linear(x[start:end], w[e]))
-            else:
-                torch.mm(x[start:end], w[e].T, out=out[start:end])
+            gate, up = F.linear(rows[start:end], w13[e]).chunk(2, dim=-1)
+            outs.append(F.linear(swiglu(gate, up, limit), w2[e]))
         start = end
-    if not grad:
-        return out
-    return torch.cat(pieces) if pieces else x.new_zeros(0, w.shape[1])
+    return torch.cat(outs) if outs else rows.new_zeros(0, w2.shape[1])
 
 
 def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
