@@ -6,7 +6,7 @@
 The MTP layer at position t sees the trunk's pre-hc_head streams at t and the embedding of token t+1.
 
 The math is the model's own torch statement (run on the torch backend, with autograd): mHC (hyper.hc_pre /
-hc_post, the head_hidden methods), Attention.queries_kv / scores / attend_scores / output, Compressor.entries,
+hc_post, the head_hidden methods), Attention.queries_kv / scores / attend_scores / output, Compressor.pool,
 Indexer.queries / scores / pick, MoE.routed_torch. What this module adds is the layout of whole sequences that
 start at position 0, instead of cache rings and per-token gathers: sliding-window attention in blocks of
 queries, every window's compressed entry at once, the indexer's top-k as a mask; and what only training
@@ -93,16 +93,16 @@ def torch_statement(model: DeepseekV4):
 
 
 def _compress(comp: Compressor, kv: torch.Tensor, gate: torch.Tensor, ctx: Ctx, kind: str) -> torch.Tensor:
-    """Every window's entry at once (Compressor.entries): kv, gate [B, L, width] (wkv(x), wgate(x)) ->
+    """Every window's entry at once (Compressor.pool): kv, gate [B, L, width] (wkv(x), wgate(x)) ->
     [B, L // r, dim]."""
-    r = comp.ratio
+    r, d = comp.ratio, comp.dim
     batch, rows = kv.shape[0], kv.shape[1] // r
     kv = kv[:, : rows * r].unflatten(1, (rows, r))  # [B, rows, r, width]
     gate = gate[:, : rows * r].unflatten(1, (rows, r))
-    if comp.overlap:  # window w's span: window w-1's tokens, then its own (window 0 has no earlier one)
-        kv = torch.cat([F.pad(kv[:, :-1], (0, 0, 0, 0, 1, 0)), kv], dim=2)  # [B, rows, 2r, width]
-        gate = torch.cat([F.pad(gate[:, :-1], (0, 0, 0, 0, 1, 0), value=float("-inf")), gate], dim=2)
-    return comp.entries(kv.flatten(0, 1), gate.flatten(0, 1), None, ctx.row_rope[kind]).view(batch, rows, -1)
+    if comp.overlap:  # window w pools Ca of window w-1 (none before window 0), then its own Cb
+        kv = torch.cat([F.pad(kv[:, :-1, :, :d], (0, 0, 0, 0, 1, 0)), kv[..., d:]], dim=2)  # [B, rows, 2r, d]
+        gate = torch.cat([F.pad(gate[:, :-1, :, :d], (0, 0, 0, 0, 1, 0), value=float("-inf")), gate[..., d:]], dim=2)
+    return comp.pool(kv.flatten(0, 1), gate.flatten(0, 1), ctx.row_rope[kind]).view(batch, rows, -1)
 
 
 def _attention(attn: Attention, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
