@@ -192,6 +192,52 @@ def test_training_forward_matches_inference_forward():
     assert check_parity(model, ids) < 1e-4
 
 
+def trained_like_model(backend: str):
+    """TINY_MODEL (sliding, CSA, HCA; hash and top-k MoE) with the parameters the init leaves at 0 or 1 (mHC
+    base and scale, sinks, ape, norms, router biases) made random, so that none of them can drift unseen."""
+    from leanserve.model.backend import select_backend, set_backend
+
+    model = new_model(model_config(vocab_size=320, **TINY_MODEL), seq_len=96, seed=0)
+    set_backend(model, select_backend("cpu", torch.float32, backend))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith("ape"):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    return model
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_training_forward_matches_inference_forward_on_every_path(backend):
+    # 96 tokens: 24 CSA rows of which the indexer keeps 4, 6 HCA rows, six sliding windows.
+    model = trained_like_model(backend)
+    ids = torch.randint(0, 320, (2, 98), generator=torch.Generator().manual_seed(0))
+    assert check_parity(model, ids) < 1e-4
+
+
+@pytest.mark.parametrize("drift", ["the indexer picks the lowest", "entries visible a token early"])
+def test_parity_check_catches_a_training_layout_that_drifts(monkeypatch, drift):
+    from leanserve.train import forward as fwd
+
+    model = trained_like_model("torch")
+    ids = torch.randint(0, 320, (2, 98), generator=torch.Generator().manual_seed(0))
+    if drift == "the indexer picks the lowest":
+        scores = fwd._indexer_scores
+        monkeypatch.setattr(fwd, "_indexer_scores", lambda *a: -scores(*a))
+    else:
+        make_ctx = fwd.make_ctx
+
+        def early(model, batch, length):
+            ctx = make_ctx(model, batch, length)
+            for kind, visible in ctx.visible.items():
+                ctx.visible[kind] = torch.cat([visible[1:], visible[-1:]])
+            return ctx
+
+        monkeypatch.setattr(fwd, "make_ctx", early)
+    with pytest.raises(RuntimeError, match="disagrees"):
+        check_parity(model, ids)
+
+
 # --- a tiny run --------------------------------------------------------------------------------------------------
 def test_tiny_run_writes_a_model_leanserve_loads(trained, corpus_dir):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "train_log.jsonl"):

@@ -115,13 +115,9 @@ class Attention(UsesBackend, nn.Module):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes: dict[str, Rope]) -> torch.Tensor:
-        num_tokens = x.shape[0]
         rope = ropes[self.rope_kind]
         projected = self.ops.linears(x, self.input_weights())
-        q_residual = self.q_norm(projected[0])  # [T, q_lora_rank]
-        q = self.wq_b(q_residual).view(num_tokens, self.n_heads, self.head_dim)
-        q = self.ops.norm_rope(q, rope, self.eps)
-        kv = self.ops.norm_rope(projected[1], rope, self.eps, self.norm.weight)  # [T, D]
+        q_residual, q, kv = self.queries_kv(projected[0], projected[1], rope)
 
         # Window keys come from the ring (earlier steps) and this step's rows; see model/batch.py.
         ring = cache.window_kv.view(-1, self.head_dim)
@@ -141,9 +137,23 @@ class Attention(UsesBackend, nn.Module):
         out = self.ops.attend(self, q, ring, new_kv, fb, cache, index_queries, rope)
         if not fb.window_write_first:
             ring.index_copy_(0, write.dst, kv[write.src].to(ring.dtype))
+        return self.output(out)
 
-        # Grouped low-rank output projection: each group of heads -> o_lora_rank, then mix to hidden.
-        grouped = out.reshape(num_tokens, self.o_groups, -1)  # [T, G, H*D/G]
+    def queries_kv(self, q_in: torch.Tensor, kv_in: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, ...]:
+        """From wq_a(x) and wkv(x) [T, ...]: (q_residual [T, q_lora_rank], the queries [T, H, D]: wq_b, the
+        per-head norm and RoPE, the key/value [T, D]: its norm and RoPE)."""
+        q_residual = self.q_norm(q_in)
+        q = self.wq_b(q_residual).view(q_in.shape[0], self.n_heads, self.head_dim)
+        return (
+            q_residual,
+            self.ops.norm_rope(q, rope, self.eps),
+            self.ops.norm_rope(kv_in, rope, self.eps, self.norm.weight),
+        )
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The grouped low-rank output projection of the attention's output [T, H, D] (inverse RoPE'd): each
+        group of heads -> o_lora_rank, then mix to hidden."""
+        grouped = out.reshape(out.shape[0], self.o_groups, -1)  # [T, G, H*D/G]
         return self.wo_b(self.ops.grouped_linear(grouped, self.wo_a.w()).flatten(1))
 
     def attend_torch(self, q, ring, new_kv, fb: ForwardBatch, cache: LayerCache, index_queries, rope) -> torch.Tensor:
@@ -168,9 +178,16 @@ class Attention(UsesBackend, nn.Module):
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [NB, Bq, H, D], keys (= values) [NB, K, D], mask [NB, Bq, K] -> [NB, Bq, H, D]."""
-        scores = torch.einsum("bqhd,bkd->bhqk", q, keys) * self.head_dim**-0.5
-        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        return self.attend_scores(self.scores(q, keys), mask, keys)
+
+    def scores(self, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """The attention logits q . k / sqrt(D): q [NB, Bq, H, D], keys [NB, K, D] -> [NB, Bq, H, K]."""
+        return torch.matmul(q.flatten(1, 2), keys.transpose(1, 2)).view(*q.shape[:3], -1) * self.head_dim**-0.5
+
+    def attend_scores(self, scores: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """scores [NB, Bq, H, K] (see `scores`), mask [NB, Bq, K], keys (= values) [NB, K, D] -> [NB, Bq, H, D]."""
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
         # The sink is one extra logit per head that takes probability mass and contributes no value.
-        sinks = self.attn_sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        probs = torch.cat([scores, sinks], dim=-1).float().softmax(dim=-1)[..., :-1]
-        return torch.einsum("bhqk,bkd->bqhd", probs.to(keys.dtype), keys)
+        sinks = self.attn_sink.to(scores.dtype).view(1, 1, -1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sinks], dim=-1).float().softmax(dim=-1)[..., :-1].to(keys.dtype)
+        return torch.matmul(probs.flatten(1, 2), keys).view(*scores.shape[:3], -1)

@@ -66,20 +66,39 @@ class Compressor(UsesBackend, nn.Module):
             else:
                 kv_src = torch.cat([kv_flat, kv.to(kv_flat.dtype)])[meta.src]
                 gate_src = torch.cat([gate_flat, gate.to(gate_flat.dtype)])[meta.src]
-            span = meta.src.shape[1]
-            gate_src = gate_src + self.ape.repeat(span // self.ratio, 1)
-            if self.overlap:
-                r, d = self.ratio, self.dim
-                kv_src = torch.cat([kv_src[:, :r, :d], kv_src[:, r:, d:]], dim=1)  # [NW, 2r, dim]
-                gate_src = torch.cat([gate_src[:, :r, :d], gate_src[:, r:, d:]], dim=1)
-            gate_src = gate_src.masked_fill(~meta.src_valid[..., None], float("-inf"))
-            kv_src = kv_src.masked_fill(~meta.src_valid[..., None], 0.0)
-            weights = gate_src.softmax(dim=1, dtype=torch.float32).to(kv_src.dtype)
-            entries = self.norm((kv_src * weights).sum(dim=1))  # [NW, dim]
-            entries = self.ops.apply_rope(entries, row_rope)
+            entries = self.entries(kv_src, gate_src, meta.src_valid, row_rope)
             rows.view(-1, self.dim).index_copy_(0, meta.row_dst, entries.to(rows.dtype))
         if not meta.write_first:
             self._store(kv, gate, kv_flat, gate_flat, meta)
+
+    def entries(
+        self,
+        kv_src: torch.Tensor,  # [NW, span, width]: wkv of each window's source tokens, in order
+        gate_src: torch.Tensor,  # [NW, span, width]: their wgate
+        valid: torch.Tensor | None,  # [NW, span] bool: which source tokens exist (None: all)
+        row_rope: torch.Tensor,  # [NW, rope/2]: RoPE factors at each window's position
+    ) -> torch.Tensor:
+        """The entries [NW, dim] of NW windows (see `pool`). A CSA window's span is 2r: the previous window's r
+        tokens, whose Ca (the first half of the channels) pools here, then its own r, whose Cb (the second half)
+        does; an HCA window's span is r."""
+        if self.overlap:
+            r, d = self.ratio, self.dim
+            kv_src = torch.cat([kv_src[:, :r, :d], kv_src[:, r:, d:]], dim=1)  # [NW, 2r, dim]
+            gate_src = torch.cat([gate_src[:, :r, :d], gate_src[:, r:, d:]], dim=1)
+        if valid is not None:
+            gate_src = gate_src.masked_fill(~valid[..., None], float("-inf"))
+            kv_src = kv_src.masked_fill(~valid[..., None], 0.0)
+        return self.pool(kv_src, gate_src, row_rope)
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, row_rope: torch.Tensor) -> torch.Tensor:
+        """Windows' entries [NW, dim] from their tokens' kv and gate [NW, span, dim] (CSA: Ca of the previous
+        window's r tokens, then Cb of its own r; -inf gates for tokens that do not exist): per channel, the
+        softmax over the window of gate + ape weights the sum of kv; then the norm and RoPE (`row_rope`
+        [NW, rope/2], at each window's position)."""
+        r, d = self.ratio, self.dim
+        ape = torch.cat([self.ape[:, :d], self.ape[:, d:]]) if self.overlap else self.ape.repeat(kv.shape[1] // r, 1)
+        weights = (gate + ape).softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        return self.ops.apply_rope(self.norm((kv * weights).sum(dim=1)), row_rope)
 
     def weights(self) -> CompressorWeights:
         return CompressorWeights(self.ape, self.norm.weight, self.norm.eps, self.overlap)
@@ -129,8 +148,16 @@ class Indexer(UsesBackend, nn.Module):
         """[NB, Bq, n] bool: the `topk` visible rows with the highest index scores, per query."""
         q, head_weights = group.gather(queries[0]), group.gather(queries[1])  # [NB, Bq, H, d], [NB, Bq, H]
         keys = rows[group.block_slot, : visible.shape[-1]].float()  # [NB, n, d]
-        scores = F.relu(torch.einsum("bqhd,bnd->bqhn", q, keys)) * self.head_dim**-0.5
-        scores = torch.einsum("bqhn,bqh->bqn", scores, head_weights).masked_fill(~visible, float("-inf"))
+        return self.pick(self.scores(q, keys, head_weights).masked_fill(~visible, float("-inf")), visible)
+
+    def scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+        """sum_h w_h * ReLU(q_h . k) / sqrt(d): q [N, Q, H, d], keys [N, n, d], head_weights [N, Q, H] (float32,
+        see `queries`) -> [N, Q, n]."""
+        scores = F.relu(torch.matmul(q.flatten(1, 2), keys.transpose(1, 2))) * self.head_dim**-0.5  # [N, Q*H, n]
+        return torch.matmul(head_weights.unsqueeze(2), scores.view(*q.shape[:3], -1)).squeeze(2)
+
+    def pick(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """[N, Q, n] bool: the `topk` visible rows with the highest `scores` (-inf where not visible), per query."""
         # ReLU scores tie exactly (often at 0); a stable sort breaks ties by row index, so the choice does not
         # depend on how many rows the step pads to (torch.topk's tie order does).
         picked = scores.sort(dim=-1, descending=True, stable=True).indices[..., : self.topk]

@@ -217,7 +217,7 @@ class CpuBackend(TorchBackend):
     def experts(self, rows, counts, w13, w2, limit):
         if _activations(rows) and _weights((w13, w2), (Fp4Weight, Fp8Experts)) and not _weights((w13, w2)):
             # (quantized experts, a prefill: one expert at a time dequantized by the kernels, then torch matmuls)
-            return torch_ops.experts(rows, counts, w13, w2, limit, _dequantized_mm)
+            return torch_ops.experts(rows, counts, w13, w2, limit, matrix=_expert_dense)
         if not _weights((w13, w2)):
             return super().experts(rows, counts, w13, w2, limit)
         w13, w2 = w13.to(rows.dtype), w2.to(rows.dtype)  # (bfloat16 weights: widened once, for either way)
@@ -285,25 +285,15 @@ def _dense(w: Fp8Weight | Fp4Weight) -> torch.Tensor:
     return torch.from_numpy(ck.dequantized(numpy_views(w)))
 
 
-def _expert_dense(w: Fp4Weight | Fp8Experts, e: int) -> torch.Tensor:
-    """Expert e of stacked quantized experts, dequantized alone (quant.expert_matrix's values)."""
+def _expert_dense(w: Fp4Weight | Fp8Experts, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Expert e of stacked quantized experts, dequantized alone by the kernels (quant.expert_matrix's values;
+    float32, the CPU backend's activations)."""
     if isinstance(w, Fp4Weight):
         return _dense(Fp4Weight(w.packed[e], w.scale[e]))
     halves = w.scale.shape[1]
     out = torch.empty(w.q.shape[1], w.q.shape[2])
     for h, (q, part) in enumerate(zip(w.q[e].chunk(halves), out.chunk(halves), strict=True)):
         ck.dequantized(numpy_views(Fp8Weight(q, w.scale[e, h])), part.numpy())
-    return out
-
-
-def _dequantized_mm(x: torch.Tensor, w, ends: torch.Tensor) -> torch.Tensor:
-    """torch_ops.grouped_mm_loop for quantized experts: each expert dequantized alone by the kernels."""
-    out = x.new_empty(x.shape[0], w.shape[1])
-    start = 0
-    for e, end in enumerate(ends.tolist()):
-        if end > start:
-            torch.mm(x[start:end], _expert_dense(w, e).T, out=out[start:end])
-        start = end
     return out
 
 

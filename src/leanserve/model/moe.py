@@ -137,8 +137,13 @@ class MoE(UsesBackend, nn.Module):
         return self.ops.moe(self, x, input_ids)
 
     def forward_torch(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.routed_torch(x, input_ids)[0]
+
+    def routed_torch(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's torch statement: (its output [T, hidden], the experts each row went to [T, k]; training
+        counts those to balance the router)."""
         weights, experts = self.gate(x, input_ids)
-        return self.experts(x, weights, experts) + self.shared_experts(x)
+        return self.experts(x, weights, experts) + self.shared_experts(x), experts
 
     def weights(self) -> MoEWeights:
         gate, experts, shared = self.gate, self.experts, self.shared_experts

@@ -66,9 +66,12 @@ class MTPBlock(Block):
         return self.ops.run_mtp(self, streams, embedded, fb, cache, ropes)
 
     def forward_torch(self, streams, embedded, fb: ForwardBatch, cache: LayerCache, ropes):
-        x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(embedded)).unsqueeze(1)
-        out = super().forward(x, fb, cache, ropes)
+        out = super().forward(self.block_input(streams, embedded), fb, cache, ropes)
         return self.head_hidden(out), out
+
+    def block_input(self, streams: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """The block's input streams [T, hc, hidden]: h_proj(hnorm(trunk streams)) + e_proj(enorm(embedding))."""
+        return self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(embedded)).unsqueeze(1)
 
     def head_hidden(self, out: torch.Tensor) -> torch.Tensor:
         """The shared head's input [T, hidden] from the block's output streams: hc_head, then the norm."""

@@ -28,26 +28,23 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-def experts(rows, counts, w13, w2, limit: float, grouped_mm=None) -> torch.Tensor:
+def experts(rows, counts, w13, w2, limit: float, grouped_mm=None, matrix=expert_matrix) -> torch.Tensor:
     """The routed experts' SwiGLU over rows [N, hidden] grouped by expert (counts [E] rows each), w13 [E, 2I,
-    hidden] (gate | up), w2 [E, hidden, I] -> [N, hidden]; `grouped_mm` (x, w, ends) -> x's rows times their
-    expert's w^T, one matmul per expert by default."""
-    mm = grouped_mm or grouped_mm_loop
+    hidden] (gate | up), w2 [E, hidden, I] (or quantized) -> [N, hidden]. `grouped_mm` (x, w, ends), if given,
+    computes x's rows times their expert's w^T for plain weights; by default each expert in turn, its matrices
+    from `matrix(w, e, dtype)` (a quantized expert dequantized alone): its weights are read once, only its own
+    rows are computed, and autograd takes it (training runs this too)."""
     ends = torch.cumsum(counts, 0)
-    gate, up = mm(rows, w13, ends).chunk(2, dim=-1)  # [N, I] each
-    return mm(swiglu(gate, up, limit), w2, ends)  # [N, hidden]
-
-
-def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Rows [ends[e-1], ends[e]) of x times w[e]^T: x [N, in], w [E, out, in] (or quantized: each expert
-    dequantized alone) -> [N, out]. Each expert's weights are read once, and only its own rows are computed."""
-    out = x.new_empty(x.shape[0], w.shape[1])
-    start = 0
+    if grouped_mm is not None:
+        gate, up = grouped_mm(rows, w13.to(rows.dtype), ends).chunk(2, dim=-1)  # [N, I] each
+        return grouped_mm(swiglu(gate, up, limit), w2.to(rows.dtype), ends)  # [N, hidden]
+    outs, start = [], 0
     for e, end in enumerate(ends.tolist()):
         if end > start:
-            torch.mm(x[start:end], expert_matrix(w, e, x.dtype).T, out=out[start:end])
+            gate, up = F.linear(rows[start:end], matrix(w13, e, rows.dtype)).chunk(2, dim=-1)
+            outs.append(F.linear(swiglu(gate, up, limit), matrix(w2, e, rows.dtype)))
         start = end
-    return out
+    return torch.cat(outs) if outs else rows.new_zeros(0, w2.shape[1])
 
 
 def rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
