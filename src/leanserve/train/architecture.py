@@ -122,7 +122,9 @@ def init_weights_(model: DeepseekV4, seed: int) -> DeepseekV4:
 
 
 def new_model(cfg: ModelConfig, seq_len: int, seed: int) -> DeepseekV4:
-    model = build_model(cfg, max_positions=seq_len, dtype=torch.float32, with_mtp=True)
+    model = build_model(
+        cfg, max_positions=seq_len, dtype=torch.float32, with_mtp=True, backend="torch"
+    )  # (training: the torch statement, under autograd)
     init_weights_(model, seed)
     for name, p in model.named_parameters():
         # the router's correction bias is set by the balancing rule, not by gradients

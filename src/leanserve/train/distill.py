@@ -106,7 +106,9 @@ def distill(dc: DistillConfig, log=print, argv: list[str] | None = None, prepare
     tok = data_mod.load_tokenizer(src)
     stream = data_mod.encode_documents(tok, corpus.train, seed=dc.seed)
     sampler = data_mod.WindowSampler(stream, dc.seq_len + 2, dc.batch_size, dc.seed)
-    model = build_model(cfg, max_positions=dc.seq_len + 2, dtype=torch.float32, with_mtp=True)
+    model = build_model(
+        cfg, max_positions=dc.seq_len + 2, dtype=torch.float32, with_mtp=True, backend="torch"
+    )  # (training: the torch statement, under autograd)
     load_weights(model, src, progress=False)
     params = []
     for name, p in model.named_parameters():

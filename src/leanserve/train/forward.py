@@ -5,7 +5,7 @@
 
 The MTP layer at position t sees the trunk's pre-hc_head streams at t and the embedding of token t+1.
 
-The math is the model's own torch statement (run on the torch backend, with autograd): mHC (hyper.hc_pre /
+The math is the model's own torch statement (training builds its model on the torch backend): mHC (hyper.hc_pre /
 hc_post, the head_hidden methods), Attention.queries_kv / scores / attend_scores / output, Compressor.pool,
 Indexer.queries / scores / pick, MoE.routed_torch. What this module adds is the layout of whole sequences that
 start at position 0, instead of cache rings and per-token gathers: sliding-window attention in blocks of
@@ -22,7 +22,6 @@ Two parts of DeepSeek-V4 get no gradient from the language-model loss, and are t
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +31,6 @@ import torch.nn.functional as F
 from leanserve.config import CSA, HCA
 from leanserve.model import hyper
 from leanserve.model.attention import Attention
-from leanserve.model.backend import TORCH, set_backend
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.block import Block
 from leanserve.model.cache import CacheGeometry
@@ -78,18 +76,6 @@ def make_ctx(model: DeepseekV4, batch: int, length: int) -> Ctx:
     diff = q_pos[:, :, None] - k_pos[:, None, :]
     mask = (diff >= 0) & (diff < window) & (k_pos[:, None, :] >= 0)
     return Ctx(batch, length, block, padded, main, compress, row_rope, mask, visible)
-
-
-@contextlib.contextmanager
-def torch_statement(model: DeepseekV4):
-    """The model's modules on the torch backend while the training forward runs (the backend a stage was built
-    with may run kernels without autograd), then back on their own."""
-    own = model.ops
-    set_backend(model, TORCH)
-    try:
-        yield
-    finally:
-        set_backend(model, own)
 
 
 def _compress(comp: Compressor, kv: torch.Tensor, gate: torch.Tensor, ctx: Ctx, kind: str) -> torch.Tensor:
@@ -188,12 +174,11 @@ def trunk_forward(model: DeepseekV4, ids: torch.Tensor, ctx: Ctx) -> tuple[torch
     logits [B*L, V] there)."""
     ctx.stats = {}
     trunk_in = ids[:, : ctx.length].reshape(-1)
-    with torch_statement(model):
-        x = model.embed(trunk_in)
-        streams = x.unsqueeze(1).expand(-1, model.cfg.hc_mult, -1)
-        for key, block in model.layers.items():
-            streams = _block(block, streams, trunk_in, ctx, key)
-        return streams, model.logits(model.head_hidden(streams))
+    x = model.embed(trunk_in)
+    streams = x.unsqueeze(1).expand(-1, model.cfg.hc_mult, -1)
+    for key, block in model.layers.items():
+        streams = _block(block, streams, trunk_in, ctx, key)
+    return streams, model.logits(model.head_hidden(streams))
 
 
 def mtp_forward(model: DeepseekV4, streams: torch.Tensor, ids: torch.Tensor, ctx: Ctx) -> torch.Tensor:
@@ -201,9 +186,8 @@ def mtp_forward(model: DeepseekV4, streams: torch.Tensor, ids: torch.Tensor, ctx
     ids [B, >= L + 1]: its logits [B*L, V] (for tokens 2..L+1)."""
     mtp = model.mtp["0"]
     mtp_in = ids[:, 1 : ctx.length + 1].reshape(-1)  # the MTP layer at t embeds token t+1
-    with torch_statement(model):
-        out = _block(mtp, mtp.block_input(streams, model.embed(mtp_in)), mtp_in, ctx, "mtp.0")
-        return model.logits(mtp.head_hidden(out))
+    out = _block(mtp, mtp.block_input(streams, model.embed(mtp_in)), mtp_in, ctx, "mtp.0")
+    return model.logits(mtp.head_hidden(out))
 
 
 def forward_train(model: DeepseekV4, ids: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
