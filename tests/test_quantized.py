@@ -475,3 +475,29 @@ def test_engine_holds_about_the_files_bytes(tiny_pub, pub_tensors, ids_of):
     norms = sum(t.nbytes for k, t in pub_tensors.items() if "norm" in k and not k.startswith("mtp."))
     # The same bytes, but the norms, which the model keeps in float32 (the file has them in bfloat16).
     assert stage.weights_bytes == file_bytes + norms
+
+
+def test_pipeline_and_mtp_speculation_on_a_published_checkpoint_give_plain_tokens(tiny_pub, ids_of):
+    # PP=2 (two stage processes) and MTP speculation on the FP4 / FP8 checkpoint give PP=1's plain greedy tokens
+    # and logprobs: the stored formats are read alike on every stage and by the MTP layer.
+    prompts = [{"prompt_token_ids": ids_of(n, seed=n)} for n in (5, 40, 75)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    runs = {}
+    for name, kwargs in {
+        "plain": {},
+        "pp2": {"pipeline_parallel_size": 2},
+        "mtp": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
+        "pp2+mtp": {"pipeline_parallel_size": 2, "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
+    }.items():
+        with LLM(
+            str(tiny_pub), dtype="float32", max_model_len=128, max_num_seqs=3, load_progress=False, **kwargs
+        ) as llm:
+            runs[name] = llm.generate(prompts, params)
+            if "speculative_config" in kwargs:
+                assert llm.spec_decode_metrics()["num_drafts"] > 0
+    for name, outs in runs.items():
+        for a, b in zip(runs["plain"], outs, strict=True):
+            assert b.outputs[0].token_ids == a.outputs[0].token_ids, name
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                (tok,) = x
+                assert abs(x[tok].logprob - y[tok].logprob) < 1e-4, name
