@@ -23,7 +23,7 @@ import torch
 
 from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig, Quantization
 from leanserve.model.deepseek_v4 import DeepseekV4, build_model
-from leanserve.model.loader import has_mtp_weights, load_weights, write_safetensors
+from leanserve.model.loader import checkpoint_dtype, has_mtp_weights, load_weights, write_safetensors
 from leanserve.model.quant import FP4_GROUP, quantize_fp4, quantize_fp8
 
 EXPERT_DTYPES = ("fp4", "fp8")
@@ -175,7 +175,8 @@ def quantize_checkpoint(
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not force:
         raise ValueError(f"{dst} exists and is not empty; pass --force to write into it.")
     quantized_config(cfg, expert_dtype)  # (FP4 needs its dimensions: fail before loading anything)
-    model = build_model(cfg, max_positions=1, with_mtp=cfg.has_mtp and has_mtp_weights(src), checkpoint=src)
+    # (in the source's dtype: the quantizers compute in float32 either way, and bf16 halves the memory)
+    model = build_model(cfg, 1, checkpoint_dtype(src), with_mtp=cfg.has_mtp and has_mtp_weights(src), checkpoint=src)
     load_weights(model, src, progress=False)
     save_published(model, dst, expert_dtype, max_shard_size)
     for path in src.iterdir():

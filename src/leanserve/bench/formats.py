@@ -125,7 +125,12 @@ def matched_vocab(cfg: ModelConfig, share: float, multiple: int = 256) -> int:
 
 
 def _same_model(model_dir: Path, cfg: ModelConfig) -> bool:
-    if not (model_dir / "config.json").is_file():
+    from leanserve.model.loader import INDEX_FILE, SINGLE_FILE
+
+    # (a write that stopped part-way leaves no index / single file: the weights are written after config.json)
+    if not (model_dir / "config.json").is_file() or not any(
+        (model_dir / f).is_file() for f in (INDEX_FILE, SINGLE_FILE)
+    ):
         return False
     have = ModelConfig.from_hf(model_dir)
     keys = (
@@ -161,13 +166,14 @@ def make_checkpoints(root: Path, cfg: ModelConfig, seed: int = 0, log=print) -> 
     return dirs
 
 
-def _read_sum(a, parts):  # pragma: no cover - compiled: a's sum, its `parts` slices on all threads
+def _read_sum(a, parts):  # pragma: no cover - compiled: a's sum, as `parts` slices (spread over numba's threads)
     out = np.zeros(parts, dtype=np.float32)
-    n = a.shape[0]
+    step = a.shape[0] // parts
     for p in _prange(parts):
+        part = a[p * step : (p + 1) * step]
         s = np.float32(0.0)
-        for i in range(p * n // parts, (p + 1) * n // parts):
-            s += a[i]
+        for i in range(part.shape[0]):  # (vectorised: a read at full speed, unlike numpy's pairwise sum)
+            s += part[i]
         out[p] = s
     return out.sum()
 
@@ -175,24 +181,26 @@ def _read_sum(a, parts):  # pragma: no cover - compiled: a's sum, its `parts` sl
 try:
     import numba
 
+    from leanserve.model.cpu_kernels import _jit
+
     _prange = numba.prange
-    _read_sum_jit = numba.njit(cache=True, nogil=True, parallel=True, fastmath=True)(_read_sum)
+    _read_sum_one, _read_sum_par = _jit(_read_sum), _jit(_read_sum, parallel=True)
 except ImportError:  # pragma: no cover
-    _read_sum_jit = None
+    numba = None
 
 
-def memory_bandwidth(gib: float = 1.0, repeats: int = 7) -> dict[str, float]:
-    """Read bandwidth in GB/s of a `gib` GiB float32 array, best of `repeats`: numpy's sum (one thread) and a sum
-    on all of numba's threads; "machine": the larger."""
+def memory_bandwidth(gib: float = 1.0, repeats: int = 9) -> dict[str, float]:
+    """Read bandwidth in GB/s over a `gib` GiB float32 array, best of `repeats`: numpy's sum (one thread; it is
+    bound by its pairwise summation, not by memory), a vectorised sum on one thread and one spread over all of
+    numba's threads; "machine": the largest."""
     a = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
-    out = {}
     runs = {"numpy sum, 1 thread": a.sum}
-    if _read_sum_jit is not None:
-        _read_sum_jit(a[:1024], 8)
-        runs[f"sum on {numba.get_num_threads()} threads"] = lambda: _read_sum_jit(a, 64)
-    for name, fn in runs.items():
-        best = min(_seconds(fn) for _ in range(repeats))
-        out[name] = a.nbytes / best / 1e9
+    if numba is not None:
+        threads = numba.get_num_threads()
+        _read_sum_one(a[:1024], 1), _read_sum_par(a[:1024], 8)
+        runs["vectorised sum, 1 thread"] = lambda: _read_sum_one(a, 1)
+        runs[f"vectorised sum, {threads} threads"] = lambda: _read_sum_par(a, 64)
+    out = {name: a.nbytes / min(_seconds(fn) for _ in range(repeats)) / 1e9 for name, fn in runs.items()}
     out["machine"] = max(out.values())
     return out
 
@@ -305,7 +313,7 @@ def formats_bench(
             f"+ head {t.head / 1e6:.1f} + embedding row"
             for f, t in per_token.items()
         ),
-        "memory bandwidth (best of 7 reads of 1 GiB): "
+        "memory bandwidth (best of 9 reads of 1 GiB): "
         + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items() if k != "machine")
         + f"; shares are of {bw['machine']:.1f} GB/s",
         f"checkpoints: {', '.join(f'{f} {sizes[f] / 1e9:.2f} GB' for f in FORMATS)} in {root}; "

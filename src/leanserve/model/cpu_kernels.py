@@ -517,9 +517,11 @@ grouped_linear = Threaded(_grouped_linear, min_work=1 << 18)
 # A block of ROW_BLOCK weight rows is decoded into a float32 buffer (values times their block's scale, the same
 # float32 products as quant.py's dequantization) and goes through the float32 loops: the same sums as on the
 # dequantized weight. For one row of x (decode at batch 1) the decoded values meet x in registers instead, each
-# scale block's sum then times its scale (exact: a power of two), a different float32 summation order. The decoders are integer arithmetic and a select (they vectorise): an e4m3 byte's magnitude
-# bits shifted into a float32's exponent and mantissa, rebased; its subnormals (exponent 0) as m * 2^-9. The
-# e4m3fn NaN bytes (0x7F, 0xFF) are not decoded as NaN (the quantizers never write them).
+# scale block's sum then times its scale (exact: a power of two), a different float32 summation order. The
+# decoders are integer arithmetic (they vectorise): an e4m3 byte's bits shifted into a float32's, the rebase folded
+# into the block's scale (_e4m3_raw); FP4 codes by their exponent and mantissa bits, or a table lookup on AVX-512
+# (_fp4_row_dot_avx512).
+# The e4m3fn NaN bytes (0x7F, 0xFF) are not decoded as NaN (the quantizers never write them).
 FP8_BLOCK = 128
 FP4_GROUP = 32
 
@@ -529,12 +531,27 @@ def _ue8m0(e):  # pragma: no cover - compiled: a UE8M0 exponent byte -> 2^(e - 1
     return _f32_from_bits(e << np.int32(23)) if e > 0 else np.float32(2.0**-127)
 
 
-def _e4m3(b):  # pragma: no cover - compiled: an e4m3fn byte -> float32
+def _e4m3(b):  # pragma: no cover - compiled: an e4m3fn byte -> float32 (the general decoder, see _e4m3_raw)
     b = np.int32(b)
     mag = b & np.int32(0x7F)
     normal = _f32_from_bits((mag << np.int32(20)) + np.int32(120 << 23))  # 2^(E-7) * (1 + m/8)
     v = normal if mag >= np.int32(8) else np.float32(mag) * np.float32(2.0**-9)
     return -v if b & np.int32(0x80) else v
+
+
+def _e4m3_raw(b):  # pragma: no cover - compiled: an e4m3fn byte's value times 2^-120, exactly
+    # Its bits (sign, E, m) shifted into a float32's sign, exponent and mantissa: 2^(E - 127) * (1 + m/8), or for
+    # E = 0 the float32 subnormal m * 2^-129, i.e. the e4m3 value times 2^-120 (integer ops only, no select). Its
+    # block scale 2^(e - 127) then comes times 2^120 (_raw_scale), which float32 holds for exponents e <= 134.
+    b = np.int32(b)
+    return _f32_from_bits(((b & np.int32(0x7F)) << np.int32(20)) | ((b & np.int32(0x80)) << np.int32(24)))
+
+
+RAW_SCALE_MAX = 134  # the largest UE8M0 exponent whose scale times 2^120 is a float32
+
+
+def _raw_scale(e):  # pragma: no cover - compiled: 2^(e - 127) * 2^120, for e <= RAW_SCALE_MAX
+    return _f32_from_bits((np.int32(e) + np.int32(120)) << np.int32(23))
 
 
 def _e2m1(c):  # pragma: no cover - compiled: an FP4 e2m1 code (0..15) -> float32
@@ -548,6 +565,8 @@ def _e2m1(c):  # pragma: no cover - compiled: an FP4 e2m1 code (0..15) -> float3
 if numba is not None:
     _ue8m0 = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_ue8m0)
     _e4m3 = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_e4m3)
+    _e4m3_raw = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_e4m3_raw)
+    _raw_scale = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_raw_scale)
     _e2m1 = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_e2m1)
 
 
@@ -556,10 +575,16 @@ def _fp8_row(q, s, row, buf, r):  # pragma: no cover - compiled: buf[r] = row `r
     full = k_dim // FP8_BLOCK
     srow = row // FP8_BLOCK
     for kb in range(full):  # (a fixed trip count: the loop vectorises)
-        sc = _ue8m0(s[srow, kb])
+        e = s[srow, kb]
         base = kb * FP8_BLOCK
-        for i in range(FP8_BLOCK):
-            buf[r, base + i] = _e4m3(q[row, base + i]) * sc
+        if e <= RAW_SCALE_MAX:  # (the same float32 products: both factors are the exact ones times 2^+-120)
+            sc = _raw_scale(e)
+            for i in range(FP8_BLOCK):
+                buf[r, base + i] = _e4m3_raw(q[row, base + i]) * sc
+        else:
+            sc = _ue8m0(e)
+            for i in range(FP8_BLOCK):
+                buf[r, base + i] = _e4m3(q[row, base + i]) * sc
     if full * FP8_BLOCK < k_dim:
         sc = _ue8m0(s[srow, full])
         for k in range(full * FP8_BLOCK, k_dim):
@@ -594,10 +619,16 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
             total = np.float32(0.0)
             for kb in range(full):
                 base = kb * FP8_BLOCK
+                e = s[srow, kb]
                 acc = np.float32(0.0)
-                for i in range(FP8_BLOCK):
-                    acc += _e4m3(q[row, base + i]) * x[0, base + i]
-                total += acc * _ue8m0(s[srow, kb])
+                if e <= RAW_SCALE_MAX:
+                    for i in range(FP8_BLOCK):
+                        acc += _e4m3_raw(q[row, base + i]) * x[0, base + i]
+                    total += acc * _raw_scale(e)
+                else:
+                    for i in range(FP8_BLOCK):
+                        acc += _e4m3(q[row, base + i]) * x[0, base + i]
+                    total += acc * _ue8m0(e)
             if full * FP8_BLOCK < k_dim:
                 acc = np.float32(0.0)
                 for k in range(full * FP8_BLOCK, k_dim):
@@ -613,21 +644,112 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
         _linear_rows_f32_jit(x, buf[:block], out[:, j0 : j0 + block], n)
 
 
+# FP4 at batch 1, on AVX-512: each row's dot product in vector registers (LLVM IR below, one 16-byte group of 32
+# values per iteration), the codes decoded by a 16-entry table lookup in one instruction (vpermps) instead of the
+# bit arithmetic the compiled loops need: x is split into its even and odd elements once per call (byte j holds
+# element 2j in its low nibble, 2j + 1 in its high one), so the products of the low and high nibbles meet
+# contiguous halves of x; each group's products times its scale are summed per lane over the row, and the lanes
+# at the end (a float32 summation order of its own). Elsewhere the loop in _fp4_rows does the same math.
+_AVX512 = False
+if numba is not None:
+    import llvmlite.binding as _llvm
+
+    _AVX512 = bool(_llvm.get_host_cpu_features().get("avx512f", False))
+
+    @numba.extending.intrinsic
+    def _fp4_row_dot_avx512(typingctx, packed, s, row, xe, xo):
+        # float32 sum_k W[row, k] * x[k], W FP4 (packed [J, K / 2] C-contiguous uint8, s [J, K / 32] UE8M0)
+        from numba.core import cgutils
+
+        def codegen(context, builder, signature, args):
+            pk_t, s_t, _, xe_t, xo_t = signature.args
+            pk, sc = (
+                context.make_array(pk_t)(context, builder, args[0]),
+                context.make_array(s_t)(context, builder, args[1]),
+            )
+            xe_a = context.make_array(xe_t)(context, builder, args[3])
+            xo_a = context.make_array(xo_t)(context, builder, args[4])
+            row_ = args[2]
+            f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
+            v16f, v16i, v16b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
+            intp = context.get_value_type(numba.types.intp)
+            lut = ir.Constant(
+                v16f, [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+            )
+            perm = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(v16f, [v16f, v16i]), "llvm.x86.avx512.permvar.sf.512"
+            )
+            groups = builder.udiv(builder.extract_value(pk.shape, 1), ir.Constant(intp, 16))
+            acc_ptr = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+            zero = ir.Constant(i32, 0)
+            with cgutils.for_range(builder, groups) as loop:
+                g = loop.index
+                base = builder.mul(g, ir.Constant(intp, 16))
+                bp = cgutils.get_item_pointer(context, builder, pk_t, pk, [row_, base], wraparound=False)
+                b = builder.zext(builder.load(builder.bitcast(bp, v16b.as_pointer()), align=1), v16i)
+                lo = builder.call(perm, [lut, builder.and_(b, ir.Constant(v16i, [15] * 16))])
+                hi = builder.call(perm, [lut, builder.lshr(b, ir.Constant(v16i, [4] * 16))])
+                ep = cgutils.get_item_pointer(context, builder, xe_t, xe_a, [base], wraparound=False)
+                op = cgutils.get_item_pointer(context, builder, xo_t, xo_a, [base], wraparound=False)
+                xev = builder.load(builder.bitcast(ep, v16f.as_pointer()), align=4)
+                xov = builder.load(builder.bitcast(op, v16f.as_pointer()), align=4)
+                part = builder.fadd(
+                    builder.fmul(lo, xev, flags=("contract",)),
+                    builder.fmul(hi, xov, flags=("contract",)),
+                    flags=("contract",),
+                )
+                sp = cgutils.get_item_pointer(context, builder, s_t, sc, [row_, g], wraparound=False)
+                e = builder.zext(builder.load(sp), i32)  # UE8M0: 2^(e - 127), e = 0 -> 2^-127
+                bits = builder.select(
+                    builder.icmp_unsigned("==", e, zero),
+                    ir.Constant(i32, 1 << 22),
+                    builder.shl(e, ir.Constant(i32, 23)),
+                )
+                scale = builder.bitcast(bits, f32)
+                sv = builder.shuffle_vector(
+                    builder.insert_element(ir.Constant(v16f, ir.Undefined), scale, zero),
+                    ir.Constant(v16f, ir.Undefined),
+                    ir.Constant(v16i, [0] * 16),
+                )
+                acc = builder.load(acc_ptr)
+                builder.store(
+                    builder.fadd(acc, builder.fmul(part, sv, flags=("contract",)), flags=("contract",)), acc_ptr
+                )
+            v = builder.load(acc_ptr)
+            width = 16
+            while width > 1:  # lanes summed pairwise: halves added until one is left
+                width //= 2
+                a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+                c = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
+                v = builder.fadd(a, c)
+            return builder.extract_element(v, zero)
+
+        return numba.types.float32(packed, s, row, xe, xo), codegen
+
+
 def _fp4_rows(x, packed, s, out, n):  # pragma: no cover - compiled
     # out[:n, :m] = x[:n] @ W[:m]^T for the FP4 weight W: packed [J, K / 2] (element 2i in the low nibble of byte
     # i), s [J, K / 32] UE8M0 exponents
     m, half = out.shape[1], packed.shape[1]
     step = FP4_GROUP // 2
-    if n == 1:  # one row: each group's sum of products in registers, then times its scale
+    if n == 1:  # one row: x's even and odd elements apart, then per row its groups' sums times their scales
+        xe = np.empty(half, dtype=np.float32)
+        xo = np.empty(half, dtype=np.float32)
+        for j in range(half):
+            xe[j] = x[0, 2 * j]
+            xo[j] = x[0, 2 * j + 1]
+        if _AVX512:
+            for row in range(m):
+                out[0, row] = _fp4_row_dot_avx512(packed, s, row, xe, xo)
+            return
         for row in range(m):
             total = np.float32(0.0)
-            for g in range(2 * half // FP4_GROUP):
+            for g in range(half // step):
                 base = g * step
                 acc = np.float32(0.0)
                 for i in range(step):
                     byte = np.int32(packed[row, base + i])
-                    acc += _e2m1(byte & np.int32(15)) * x[0, 2 * (base + i)]
-                    acc += _e2m1(byte >> np.int32(4)) * x[0, 2 * (base + i) + 1]
+                    acc += _e2m1(byte & np.int32(15)) * xe[base + i] + _e2m1(byte >> np.int32(4)) * xo[base + i]
                 total += acc * _ue8m0(s[row, g])
             out[0, row] = total
         return
