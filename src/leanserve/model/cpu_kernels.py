@@ -440,6 +440,13 @@ if numba is not None:
 
         def widened(x, w, out, n):
             k_dim = w.shape[1]
+            if n == 1:  # one row of x (decode at batch 1): each weight row widened in registers, once
+                for j in range(w.shape[0]):
+                    s = np.float32(0.0)
+                    for k in range(k_dim):
+                        s += _f32_from_bits(np.int32(np.uint32(w[j, k]) << np.uint32(16))) * x[0, k]
+                    out[0, j] = s
+                return
             buf = np.empty((ROW_BLOCK, k_dim), dtype=np.uint32)
             for j0 in range(0, w.shape[0], ROW_BLOCK):
                 block = min(ROW_BLOCK, w.shape[0] - j0)
@@ -543,8 +550,8 @@ def _e4m3_raw(b):  # pragma: no cover - compiled: an e4m3fn byte's value times 2
     # Its bits (sign, E, m) shifted into a float32's sign, exponent and mantissa: 2^(E - 127) * (1 + m/8), or for
     # E = 0 the float32 subnormal m * 2^-129, i.e. the e4m3 value times 2^-120 (integer ops only, no select). Its
     # block scale 2^(e - 127) then comes times 2^120 (_raw_scale), which float32 holds for exponents e <= 134.
-    b = np.int32(b)
-    return _f32_from_bits(((b & np.int32(0x7F)) << np.int32(20)) | ((b & np.int32(0x80)) << np.int32(24)))
+    # (As a sign-extended int8 shifted by 20, the sign fills bits 27-31: masked to bit 31, with E and m kept.)
+    return _f32_from_bits((np.int32(np.int8(b)) << np.int32(20)) & np.int32(0x87F00000 - 2**32))
 
 
 RAW_SCALE_MAX = 134  # the largest UE8M0 exponent whose scale times 2^120 is a float32
