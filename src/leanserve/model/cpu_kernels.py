@@ -651,8 +651,8 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
         _linear_rows_f32_jit(x, buf[:block], out[:, j0 : j0 + block], n)
 
 
-# FP4 at batch 1, on AVX-512: each row's dot product in vector registers (LLVM IR below, one 16-byte group of 32
-# values per iteration), the codes decoded by a 16-entry table lookup in one instruction (vpermps) instead of the
+# FP4 at batch 1, on AVX-512: each row's dot product in vector registers (LLVM IR below: 16-byte groups of 32
+# values, 16 groups and their 16 scales per iteration), the codes decoded by a 16-entry table lookup in one instruction (vpermps) instead of the
 # bit arithmetic the compiled loops need: x is split into its even and odd elements once per call (byte j holds
 # element 2j in its low nibble, 2j + 1 in its high one), so the products of the low and high nibbles meet
 # contiguous halves of x; each group's products times its scale are summed per lane over the row, and the lanes
@@ -689,8 +689,16 @@ if numba is not None:
             groups = builder.udiv(builder.extract_value(pk.shape, 1), ir.Constant(intp, 16))
             acc_ptr = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
             zero = ir.Constant(i32, 0)
-            with cgutils.for_range(builder, groups) as loop:
-                g = loop.index
+
+            def scales(e):  # UE8M0 exponents (i32 or <16 x i32>) -> 2^(e - 127), e = 0 -> 2^-127
+                like = e.type
+                return builder.select(
+                    builder.icmp_unsigned("==", e, ir.Constant(like, 0 if like == i32 else [0] * 16)),
+                    ir.Constant(like, 1 << 22 if like == i32 else [1 << 22] * 16),
+                    builder.shl(e, ir.Constant(like, 23 if like == i32 else [23] * 16)),
+                )
+
+            def group(g, sv, acc):  # acc + the 32 products of group g times its scale (sv, broadcast)
                 base = builder.mul(g, ir.Constant(intp, 16))
                 bp = cgutils.get_item_pointer(context, builder, pk_t, pk, [row_, base], wraparound=False)
                 b = builder.zext(builder.load(builder.bitcast(bp, v16b.as_pointer()), align=1), v16i)
@@ -700,28 +708,34 @@ if numba is not None:
                 op = cgutils.get_item_pointer(context, builder, xo_t, xo_a, [base], wraparound=False)
                 xev = builder.load(builder.bitcast(ep, v16f.as_pointer()), align=4)
                 xov = builder.load(builder.bitcast(op, v16f.as_pointer()), align=4)
-                part = builder.fadd(
-                    builder.fmul(lo, xev, flags=("contract",)),
-                    builder.fmul(hi, xov, flags=("contract",)),
-                    flags=("contract",),
+                fast = ("contract",)
+                part = builder.fadd(builder.fmul(lo, xev, flags=fast), builder.fmul(hi, xov, flags=fast), flags=fast)
+                return builder.fadd(acc, builder.fmul(part, sv, flags=fast), flags=fast)
+
+            # 16 groups per iteration, their 16 scales decoded as one vector; then the groups left one by one.
+            blocks = builder.udiv(groups, ir.Constant(intp, 16))
+            with cgutils.for_range(builder, blocks) as loop:
+                g0 = builder.mul(loop.index, ir.Constant(intp, 16))
+                sp = cgutils.get_item_pointer(context, builder, s_t, sc, [row_, g0], wraparound=False)
+                sv16 = builder.bitcast(
+                    scales(builder.zext(builder.load(builder.bitcast(sp, v16b.as_pointer()), align=1), v16i)), v16f
                 )
+                accs = [builder.load(acc_ptr), ir.Constant(v16f, [0.0] * 16)]  # two chains of additions
+                for j in range(16):
+                    sv = builder.shuffle_vector(sv16, ir.Constant(v16f, ir.Undefined), ir.Constant(v16i, [j] * 16))
+                    accs[j % 2] = group(builder.add(g0, ir.Constant(intp, j)), sv, accs[j % 2])
+                builder.store(builder.fadd(accs[0], accs[1], flags=("contract",)), acc_ptr)
+            done = builder.mul(blocks, ir.Constant(intp, 16))
+            with cgutils.for_range(builder, builder.sub(groups, done)) as loop:
+                g = builder.add(done, loop.index)
                 sp = cgutils.get_item_pointer(context, builder, s_t, sc, [row_, g], wraparound=False)
-                e = builder.zext(builder.load(sp), i32)  # UE8M0: 2^(e - 127), e = 0 -> 2^-127
-                bits = builder.select(
-                    builder.icmp_unsigned("==", e, zero),
-                    ir.Constant(i32, 1 << 22),
-                    builder.shl(e, ir.Constant(i32, 23)),
-                )
-                scale = builder.bitcast(bits, f32)
+                scale = builder.bitcast(scales(builder.zext(builder.load(sp), i32)), f32)
                 sv = builder.shuffle_vector(
                     builder.insert_element(ir.Constant(v16f, ir.Undefined), scale, zero),
                     ir.Constant(v16f, ir.Undefined),
                     ir.Constant(v16i, [0] * 16),
                 )
-                acc = builder.load(acc_ptr)
-                builder.store(
-                    builder.fadd(acc, builder.fmul(part, sv, flags=("contract",)), flags=("contract",)), acc_ptr
-                )
+                builder.store(group(g, sv, builder.load(acc_ptr)), acc_ptr)
             v = builder.load(acc_ptr)
             width = 16
             while width > 1:  # lanes summed pairwise: halves added until one is left
