@@ -614,17 +614,89 @@ if numba is not None:
     _fp4_row = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_fp4_row)
 
 
+if numba is not None:
+
+    @numba.extending.intrinsic
+    def _fp8_row_dot(typingctx, q, s, row, srow, x, full):
+        # float32 sum over the first `full` 128-blocks of row `row` of the FP8 weight (q bytes, s UE8M0 grid, its
+        # scale row srow) times x[0]; q's and x's last dimensions contiguous. In vector registers: per block, 8
+        # vectors of 16 bytes decoded as _e4m3_raw (a sign-extended byte shifted and masked) and multiplied into
+        # one block sum, which is then times 2^120 and times the block's scale (two exact power-of-two products,
+        # no fast-math flags: never merged), added per lane; the lanes summed at the end.
+        from numba.core import cgutils
+
+        def codegen(context, builder, signature, args):
+            q_t, s_t, _, _, x_t, _ = signature.args
+            qa = context.make_array(q_t)(context, builder, args[0])
+            sa = context.make_array(s_t)(context, builder, args[1])
+            xa = context.make_array(x_t)(context, builder, args[4])
+            row_, srow_, full_ = args[2], args[3], args[5]
+            f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
+            v16f, v16i, v16b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
+            intp = context.get_value_type(numba.types.intp)
+            fast = ("contract",)
+            total_ptr = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+            zero = ir.Constant(i32, 0)
+            undef = ir.Constant(v16f, ir.Undefined)
+
+            def broadcast(v):
+                return builder.shuffle_vector(
+                    builder.insert_element(undef, v, zero), undef, ir.Constant(v16i, [0] * 16)
+                )
+
+            with cgutils.for_range(builder, full_) as loop:
+                base = builder.mul(loop.index, ir.Constant(intp, FP8_BLOCK))
+                accs = [ir.Constant(v16f, [0.0] * 16), ir.Constant(v16f, [0.0] * 16)]
+                for v in range(FP8_BLOCK // 16):
+                    k = builder.add(base, ir.Constant(intp, 16 * v))
+                    qp = cgutils.get_item_pointer(context, builder, q_t, qa, [row_, k], wraparound=False)
+                    b = builder.sext(builder.load(builder.bitcast(qp, v16b.as_pointer()), align=1), v16i)
+                    bits = builder.and_(
+                        builder.shl(b, ir.Constant(v16i, [20] * 16)), ir.Constant(v16i, [0x87F00000 - 2**32] * 16)
+                    )
+                    xp = cgutils.get_item_pointer(
+                        context, builder, x_t, xa, [ir.Constant(intp, 0), k], wraparound=False
+                    )
+                    xv = builder.load(builder.bitcast(xp, v16f.as_pointer()), align=4)
+                    prod = builder.fmul(builder.bitcast(bits, v16f), xv, flags=fast)
+                    accs[v % 2] = builder.fadd(accs[v % 2], prod, flags=fast)
+                block = builder.fadd(accs[0], accs[1], flags=fast)
+                sp = cgutils.get_item_pointer(context, builder, s_t, sa, [srow_, loop.index], wraparound=False)
+                e = builder.zext(builder.load(sp), i32)  # UE8M0: 2^(e - 127), e = 0 -> 2^-127
+                sbits = builder.select(
+                    builder.icmp_unsigned("==", e, zero),
+                    ir.Constant(i32, 1 << 22),
+                    builder.shl(e, ir.Constant(i32, 23)),
+                )
+                block = builder.fmul(block, broadcast(ir.Constant(f32, 2.0**120)))
+                block = builder.fmul(block, broadcast(builder.bitcast(sbits, f32)))
+                builder.store(builder.fadd(builder.load(total_ptr), block, flags=fast), total_ptr)
+            v = builder.load(total_ptr)
+            width = 16
+            while width > 1:
+                width //= 2
+                a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+                c = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
+                v = builder.fadd(a, c)
+            return builder.extract_element(v, zero)
+
+        return numba.types.float32(q, s, row, srow, x, full), codegen
+
+
 def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
     # out[:n, :m] = x[:n] @ W[r0 : r0 + m]^T, m = out.shape[1], for the FP8 weight W: q [J, K] (e4m3 bytes),
     # s [ceil(J / 128), ceil(K / 128)] UE8M0 exponents
     m, k_dim = out.shape[1], q.shape[1]
     full = k_dim // FP8_BLOCK
     if n == 1:  # one row (decode at batch 1): each block's sum of products in registers, then times its scale
+        vector = q.strides[1] == 1 and x.strides[1] == 4  # (_fp8_row_dot's contiguous loads)
         for j in range(m):
             row = r0 + j
             srow = row // FP8_BLOCK
             total = np.float32(0.0)
-            for kb in range(full):
+            if vector:
+                total = _fp8_row_dot(q, s, row, srow, x, full)
+            for kb in range(0 if not vector else full, full):
                 base = kb * FP8_BLOCK
                 e = s[srow, kb]
                 acc = np.float32(0.0)
