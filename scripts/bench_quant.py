@@ -2,7 +2,8 @@
 """The CPU kernels on FP8 / FP4 weights against bfloat16 ones, in one process, calls alternating: a few-row linear
 (default 4096 x 4096) and the few-token MoE (experts 2048 x 4096, every expert routed, an FP8 / bf16 shared
 expert), at batch 1 and 8. Prints each one's median time and its effective bandwidth (weight bytes read / time)
-beside the machine's, measured here (a large numpy sum and copy, one thread):
+beside the machine's read bandwidth, measured here (bench.formats.memory_bandwidth: one thread's vectorised sum
+with --threads 1, else the best of all):
 
     PYTHONPATH=src .venv/bin/python scripts/bench_quant.py --threads 1 --rounds 15
 
@@ -18,26 +19,12 @@ import time
 import numpy as np
 import torch
 
+from leanserve.bench.formats import memory_bandwidth
 from leanserve.model import cpu_kernels as ck
 from leanserve.model import decode
 from leanserve.model.cpu_backend import numpy_views
 from leanserve.model.moe import MoEWeights
 from leanserve.model.quant import Fp8Experts, quantize_fp4, quantize_fp8
-
-
-def bandwidth(gib: float = 1.0) -> tuple[float, float]:
-    """GB/s of a numpy sum over a `gib` GiB float32 array and of a copy (bytes read + written)."""
-    a = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
-    b = np.empty_like(a)
-    sums, copies = [], []
-    for _ in range(5):
-        t = time.perf_counter()
-        a.sum()
-        sums.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        np.copyto(b, a)
-        copies.append(time.perf_counter() - t)
-    return a.nbytes / min(sums) / 1e9, 2 * a.nbytes / min(copies) / 1e9
 
 
 def nbytes(w) -> int:
@@ -73,8 +60,9 @@ def main() -> None:
         ck.limit_threads(1)
     gen = torch.Generator().manual_seed(0)
 
-    read, copy = bandwidth()
-    print(f"memory bandwidth (one thread): numpy sum {read:.1f} GB/s, copy {copy:.1f} GB/s (read + write)")
+    bw = memory_bandwidth()
+    read = bw["vectorised sum, 1 thread"] if args.threads == 1 else bw["machine"]
+    print("memory bandwidth: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items()) + f"; shares of {read:.1f}")
 
     w = torch.randn(args.out, args.in_, generator=gen) * 0.02
     lin = {"bf16": ck.weight_np(w.to(torch.bfloat16)), "fp8": numpy_views(quantize_fp8(w))}
@@ -113,7 +101,7 @@ def main() -> None:
     moe_bytes = {k: nbytes(v[0]) + nbytes(v[1]) + sum(nbytes(s) for s in v[2]) + gate.nbytes for k, v in moes.items()}
 
     print(f"linear {args.out} x {args.in_}; MoE {e} experts (all routed) of {inter} x {h} + a shared one")
-    print(f"{'case':<18}{'batch':>6}{'ms':>9}{'MB read':>9}{'GB/s':>8}{'of sum bw':>11}")
+    print(f"{'case':<18}{'batch':>6}{'ms':>9}{'MB read':>9}{'GB/s':>8}{'of bw':>8}")
     for batch in [int(b) for b in args.batches.split(",")]:
         x = np.ascontiguousarray(torch.randn(batch, args.in_, generator=gen).numpy())
         xm = np.ascontiguousarray(torch.randn(batch, h, generator=gen).numpy())
@@ -123,7 +111,7 @@ def main() -> None:
         sizes = {f"linear {k}": nbytes(w) for k, w in lin.items()} | {f"moe {k}": b for k, b in moe_bytes.items()}
         for k, s in timed(cases, args.rounds).items():
             gbs = sizes[k] / s / 1e9
-            print(f"{k:<18}{batch:>6}{s * 1e3:>9.2f}{sizes[k] / 1e6:>9.1f}{gbs:>8.1f}{gbs / read:>10.0%}")
+            print(f"{k:<18}{batch:>6}{s * 1e3:>9.2f}{sizes[k] / 1e6:>9.1f}{gbs:>8.1f}{gbs / read:>7.0%}")
 
 
 if __name__ == "__main__":

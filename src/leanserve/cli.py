@@ -184,6 +184,19 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--prompt-len", type=int, default=48)
     sv.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     sv.add_argument("--output", default="table", choices=["table", "json"])
+    fm = kinds.add_parser(
+        "formats", help="decode at DeepSeek-V4-Flash's per-layer scale: the published format vs bf16, side by side"
+    )
+    fm.add_argument("--dir", default="build/bench-formats", help="where the two checkpoints are made (or reused)")
+    fm.add_argument("--layers", type=int, default=2, help="layers (CSA and HCA alternating)")
+    fm.add_argument("--experts", type=int, default=64, help="routed experts per layer (top-6)")
+    fm.add_argument(
+        "--vocab-size", type=int, default=None, help="default: the head's share of a token's bytes as in real Flash"
+    )
+    fm.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
+    fm.add_argument("--rounds", type=int, default=20, help="decode steps per format and batch size")
+    fm.add_argument("--threads", type=int, default=None)
+    fm.add_argument("--output", default="table", choices=["table", "json"])
     sp = kinds.add_parser("spec", help="tokens/s without speculation vs mtp (k=1, 2) vs ngram, on held-out code")
     sp.add_argument("--model", required=True)
     sp.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
@@ -240,6 +253,21 @@ def _bench(args: argparse.Namespace) -> int:
 
         rows = step_bench(args.model, args.batch_sizes, args.max_num_batched_tokens, args.repeats)
         print_rows(rows, args.output, STEP_HEADERS)
+    elif args.bench == "formats":
+        from leanserve.bench.formats import FORMAT_HEADERS, formats_bench, rows_json
+
+        if min(args.layers, args.experts, args.rounds, args.vocab_size or 1) < 1:
+            raise ValueError("--layers, --experts, --rounds and --vocab-size must be positive.")
+        log = print if args.output == "table" else (lambda *a: None)
+        rows, notes = formats_bench(
+            args.dir, args.batch_sizes, args.layers, args.experts, args.vocab_size, args.rounds, log=log
+        )
+        if args.output == "json":
+            print(rows_json(rows, notes))
+        else:
+            for line in notes:
+                print(f"# {line}")
+            print_rows(rows, args.output, FORMAT_HEADERS)
     else:
         from leanserve.bench.spec import SPEC_HEADERS, spec_bench
 

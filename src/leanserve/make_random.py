@@ -85,10 +85,16 @@ def preset_config(preset: str, **overrides: Any) -> ModelConfig:
 
 
 @torch.no_grad()
-def randomize_(model: DeepseekV4, seed: int) -> DeepseekV4:
+def randomize_(model: DeepseekV4, seed: int, by_slice: bool = False) -> DeepseekV4:
+    """by_slice: stacked tensors (the experts) drawn one slice at a time, so that the float32 draws of a bfloat16
+    model at real scale fit in memory (other values than the default's, for the same seed)."""
     gen = torch.Generator().manual_seed(seed)
 
     def normal(t: torch.Tensor, std: float, mean: float = 0.0) -> None:
+        if by_slice and t.dim() == 3:
+            for part in t:
+                part.copy_(torch.randn(part.shape, generator=gen) * std + mean)
+            return
         t.copy_(torch.randn(t.shape, generator=gen) * std + mean)
 
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}

@@ -23,7 +23,7 @@ import torch
 
 from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig, Quantization
 from leanserve.model.deepseek_v4 import DeepseekV4, build_model
-from leanserve.model.loader import INDEX_FILE, SINGLE_FILE, has_mtp_weights, load_weights
+from leanserve.model.loader import checkpoint_dtype, has_mtp_weights, load_weights, write_safetensors
 from leanserve.model.quant import FP4_GROUP, quantize_fp4, quantize_fp8
 
 EXPERT_DTYPES = ("fp4", "fp8")
@@ -148,36 +148,11 @@ def save_published(
 ) -> Path:
     """Writes config.json and the weights of an unquantized `model` in the published format: one
     model.safetensors, or shards of at most `max_shard_size` bytes with model.safetensors.index.json."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    limit = parse_size(max_shard_size)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in iter_published(model, expert_dtype):
-        nbytes = tensor.numel() * tensor.element_size()
-        if limit is not None and shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.contiguous()
-        size += nbytes
     config = published_config(quantized_config(model.cfg, expert_dtype))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for stale in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
-        stale.unlink(missing_ok=True)
-    if len(shards) == 1:
-        save_file(shards[0], str(out / SINGLE_FILE), metadata={"format": "pt"})
-        return out
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / file), metadata={"format": "pt"})
-        for name, tensor in shard.items():
-            weight_map[name] = file
-            total += tensor.numel() * tensor.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    write_safetensors(out, iter_published(model, expert_dtype), parse_size(max_shard_size))
     return out
 
 
@@ -200,7 +175,8 @@ def quantize_checkpoint(
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not force:
         raise ValueError(f"{dst} exists and is not empty; pass --force to write into it.")
     quantized_config(cfg, expert_dtype)  # (FP4 needs its dimensions: fail before loading anything)
-    model = build_model(cfg, max_positions=1, with_mtp=cfg.has_mtp and has_mtp_weights(src), checkpoint=src)
+    # (in the source's dtype: the quantizers compute in float32 either way, and bf16 halves the memory)
+    model = build_model(cfg, 1, checkpoint_dtype(src), with_mtp=cfg.has_mtp and has_mtp_weights(src), checkpoint=src)
     load_weights(model, src, progress=False)
     save_published(model, dst, expert_dtype, max_shard_size)
     for path in src.iterdir():

@@ -28,6 +28,8 @@ def print_rows(rows: list, output: str, headers: dict[str, str] | None = None) -
 
 
 def _cell(value) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, float):
         return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}"
     return str(value)

@@ -440,6 +440,13 @@ if numba is not None:
 
         def widened(x, w, out, n):
             k_dim = w.shape[1]
+            if n == 1:  # one row of x (decode at batch 1): each weight row widened in registers, once
+                for j in range(w.shape[0]):
+                    s = np.float32(0.0)
+                    for k in range(k_dim):
+                        s += _f32_from_bits(np.int32(np.uint32(w[j, k]) << np.uint32(16))) * x[0, k]
+                    out[0, j] = s
+                return
             buf = np.empty((ROW_BLOCK, k_dim), dtype=np.uint32)
             for j0 in range(0, w.shape[0], ROW_BLOCK):
                 block = min(ROW_BLOCK, w.shape[0] - j0)
@@ -517,9 +524,11 @@ grouped_linear = Threaded(_grouped_linear, min_work=1 << 18)
 # A block of ROW_BLOCK weight rows is decoded into a float32 buffer (values times their block's scale, the same
 # float32 products as quant.py's dequantization) and goes through the float32 loops: the same sums as on the
 # dequantized weight. For one row of x (decode at batch 1) the decoded values meet x in registers instead, each
-# scale block's sum then times its scale (exact: a power of two), a different float32 summation order. The decoders are integer arithmetic and a select (they vectorise): an e4m3 byte's magnitude
-# bits shifted into a float32's exponent and mantissa, rebased; its subnormals (exponent 0) as m * 2^-9. The
-# e4m3fn NaN bytes (0x7F, 0xFF) are not decoded as NaN (the quantizers never write them).
+# scale block's sum then times its scale (exact: a power of two), a different float32 summation order. The
+# decoders are integer arithmetic (they vectorise): an e4m3 byte's bits shifted into a float32's, the rebase folded
+# into the block's scale (_e4m3_raw); FP4 codes by their exponent and mantissa bits, or a table lookup on AVX-512
+# (_fp4_row_dot_avx512).
+# The e4m3fn NaN bytes (0x7F, 0xFF) are not decoded as NaN (the quantizers never write them).
 FP8_BLOCK = 128
 FP4_GROUP = 32
 
@@ -529,12 +538,27 @@ def _ue8m0(e):  # pragma: no cover - compiled: a UE8M0 exponent byte -> 2^(e - 1
     return _f32_from_bits(e << np.int32(23)) if e > 0 else np.float32(2.0**-127)
 
 
-def _e4m3(b):  # pragma: no cover - compiled: an e4m3fn byte -> float32
+def _e4m3(b):  # pragma: no cover - compiled: an e4m3fn byte -> float32 (the general decoder, see _e4m3_raw)
     b = np.int32(b)
     mag = b & np.int32(0x7F)
     normal = _f32_from_bits((mag << np.int32(20)) + np.int32(120 << 23))  # 2^(E-7) * (1 + m/8)
     v = normal if mag >= np.int32(8) else np.float32(mag) * np.float32(2.0**-9)
     return -v if b & np.int32(0x80) else v
+
+
+def _e4m3_raw(b):  # pragma: no cover - compiled: an e4m3fn byte's value times 2^-120, exactly
+    # Its bits (sign, E, m) shifted into a float32's sign, exponent and mantissa: 2^(E - 127) * (1 + m/8), or for
+    # E = 0 the float32 subnormal m * 2^-129, i.e. the e4m3 value times 2^-120 (integer ops only, no select). Its
+    # block scale 2^(e - 127) then comes times 2^120 (_raw_scale), which float32 holds for exponents e <= 134.
+    # (As a sign-extended int8 shifted by 20, the sign fills bits 27-31: masked to bit 31, with E and m kept.)
+    return _f32_from_bits((np.int32(np.int8(b)) << np.int32(20)) & np.int32(0x87F00000 - 2**32))
+
+
+RAW_SCALE_MAX = 134  # the largest UE8M0 exponent whose scale times 2^120 is a float32
+
+
+def _raw_scale(e):  # pragma: no cover - compiled: 2^(e - 127) * 2^120, for e <= RAW_SCALE_MAX
+    return _f32_from_bits((np.int32(e) + np.int32(120)) << np.int32(23))
 
 
 def _e2m1(c):  # pragma: no cover - compiled: an FP4 e2m1 code (0..15) -> float32
@@ -548,6 +572,8 @@ def _e2m1(c):  # pragma: no cover - compiled: an FP4 e2m1 code (0..15) -> float3
 if numba is not None:
     _ue8m0 = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_ue8m0)
     _e4m3 = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_e4m3)
+    _e4m3_raw = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_e4m3_raw)
+    _raw_scale = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_raw_scale)
     _e2m1 = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_e2m1)
 
 
@@ -556,10 +582,16 @@ def _fp8_row(q, s, row, buf, r):  # pragma: no cover - compiled: buf[r] = row `r
     full = k_dim // FP8_BLOCK
     srow = row // FP8_BLOCK
     for kb in range(full):  # (a fixed trip count: the loop vectorises)
-        sc = _ue8m0(s[srow, kb])
+        e = s[srow, kb]
         base = kb * FP8_BLOCK
-        for i in range(FP8_BLOCK):
-            buf[r, base + i] = _e4m3(q[row, base + i]) * sc
+        if e <= RAW_SCALE_MAX:  # (the same float32 products: both factors are the exact ones times 2^+-120)
+            sc = _raw_scale(e)
+            for i in range(FP8_BLOCK):
+                buf[r, base + i] = _e4m3_raw(q[row, base + i]) * sc
+        else:
+            sc = _ue8m0(e)
+            for i in range(FP8_BLOCK):
+                buf[r, base + i] = _e4m3(q[row, base + i]) * sc
     if full * FP8_BLOCK < k_dim:
         sc = _ue8m0(s[srow, full])
         for k in range(full * FP8_BLOCK, k_dim):
@@ -582,22 +614,100 @@ if numba is not None:
     _fp4_row = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_fp4_row)
 
 
+if numba is not None:
+
+    @numba.extending.intrinsic
+    def _fp8_row_dot(typingctx, q, s, row, srow, x, full):
+        # float32 sum over the first `full` 128-blocks of row `row` of the FP8 weight (q bytes, s UE8M0 grid, its
+        # scale row srow) times x[0]; q's and x's last dimensions contiguous. In vector registers: per block, 8
+        # vectors of 16 bytes decoded as _e4m3_raw (a sign-extended byte shifted and masked) and multiplied into
+        # one block sum, which is then times 2^120 and times the block's scale (two exact power-of-two products,
+        # no fast-math flags: never merged), added per lane; the lanes summed at the end.
+        from numba.core import cgutils
+
+        def codegen(context, builder, signature, args):
+            q_t, s_t, _, _, x_t, _ = signature.args
+            qa = context.make_array(q_t)(context, builder, args[0])
+            sa = context.make_array(s_t)(context, builder, args[1])
+            xa = context.make_array(x_t)(context, builder, args[4])
+            row_, srow_, full_ = args[2], args[3], args[5]
+            f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
+            v16f, v16i, v16b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
+            intp = context.get_value_type(numba.types.intp)
+            fast = ("contract",)
+            total_ptr = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+            zero = ir.Constant(i32, 0)
+            undef = ir.Constant(v16f, ir.Undefined)
+
+            def broadcast(v):
+                return builder.shuffle_vector(
+                    builder.insert_element(undef, v, zero), undef, ir.Constant(v16i, [0] * 16)
+                )
+
+            with cgutils.for_range(builder, full_) as loop:
+                base = builder.mul(loop.index, ir.Constant(intp, FP8_BLOCK))
+                accs = [ir.Constant(v16f, [0.0] * 16), ir.Constant(v16f, [0.0] * 16)]
+                for v in range(FP8_BLOCK // 16):
+                    k = builder.add(base, ir.Constant(intp, 16 * v))
+                    qp = cgutils.get_item_pointer(context, builder, q_t, qa, [row_, k], wraparound=False)
+                    b = builder.sext(builder.load(builder.bitcast(qp, v16b.as_pointer()), align=1), v16i)
+                    bits = builder.and_(
+                        builder.shl(b, ir.Constant(v16i, [20] * 16)), ir.Constant(v16i, [0x87F00000 - 2**32] * 16)
+                    )
+                    xp = cgutils.get_item_pointer(
+                        context, builder, x_t, xa, [ir.Constant(intp, 0), k], wraparound=False
+                    )
+                    xv = builder.load(builder.bitcast(xp, v16f.as_pointer()), align=4)
+                    prod = builder.fmul(builder.bitcast(bits, v16f), xv, flags=fast)
+                    accs[v % 2] = builder.fadd(accs[v % 2], prod, flags=fast)
+                block = builder.fadd(accs[0], accs[1], flags=fast)
+                sp = cgutils.get_item_pointer(context, builder, s_t, sa, [srow_, loop.index], wraparound=False)
+                e = builder.zext(builder.load(sp), i32)  # UE8M0: 2^(e - 127), e = 0 -> 2^-127
+                sbits = builder.select(
+                    builder.icmp_unsigned("==", e, zero),
+                    ir.Constant(i32, 1 << 22),
+                    builder.shl(e, ir.Constant(i32, 23)),
+                )
+                block = builder.fmul(block, broadcast(ir.Constant(f32, 2.0**120)))
+                block = builder.fmul(block, broadcast(builder.bitcast(sbits, f32)))
+                builder.store(builder.fadd(builder.load(total_ptr), block, flags=fast), total_ptr)
+            v = builder.load(total_ptr)
+            width = 16
+            while width > 1:
+                width //= 2
+                a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+                c = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
+                v = builder.fadd(a, c)
+            return builder.extract_element(v, zero)
+
+        return numba.types.float32(q, s, row, srow, x, full), codegen
+
+
 def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
     # out[:n, :m] = x[:n] @ W[r0 : r0 + m]^T, m = out.shape[1], for the FP8 weight W: q [J, K] (e4m3 bytes),
     # s [ceil(J / 128), ceil(K / 128)] UE8M0 exponents
     m, k_dim = out.shape[1], q.shape[1]
     full = k_dim // FP8_BLOCK
     if n == 1:  # one row (decode at batch 1): each block's sum of products in registers, then times its scale
+        vector = q.strides[1] == 1 and x.strides[1] == 4  # (_fp8_row_dot's contiguous loads)
         for j in range(m):
             row = r0 + j
             srow = row // FP8_BLOCK
             total = np.float32(0.0)
-            for kb in range(full):
+            if vector:
+                total = _fp8_row_dot(q, s, row, srow, x, full)
+            for kb in range(0 if not vector else full, full):
                 base = kb * FP8_BLOCK
+                e = s[srow, kb]
                 acc = np.float32(0.0)
-                for i in range(FP8_BLOCK):
-                    acc += _e4m3(q[row, base + i]) * x[0, base + i]
-                total += acc * _ue8m0(s[srow, kb])
+                if e <= RAW_SCALE_MAX:
+                    for i in range(FP8_BLOCK):
+                        acc += _e4m3_raw(q[row, base + i]) * x[0, base + i]
+                    total += acc * _raw_scale(e)
+                else:
+                    for i in range(FP8_BLOCK):
+                        acc += _e4m3(q[row, base + i]) * x[0, base + i]
+                    total += acc * _ue8m0(e)
             if full * FP8_BLOCK < k_dim:
                 acc = np.float32(0.0)
                 for k in range(full * FP8_BLOCK, k_dim):
@@ -613,21 +723,126 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
         _linear_rows_f32_jit(x, buf[:block], out[:, j0 : j0 + block], n)
 
 
+# FP4 at batch 1, on AVX-512: each row's dot product in vector registers (LLVM IR below: 16-byte groups of 32
+# values, 16 groups and their 16 scales per iteration), the codes decoded by a 16-entry table lookup in one instruction (vpermps) instead of the
+# bit arithmetic the compiled loops need: x is split into its even and odd elements once per call (byte j holds
+# element 2j in its low nibble, 2j + 1 in its high one), so the products of the low and high nibbles meet
+# contiguous halves of x; each group's products times its scale are summed per lane over the row, and the lanes
+# at the end (a float32 summation order of its own). Elsewhere the loop in _fp4_rows does the same math.
+_AVX512 = False
+if numba is not None:
+    import llvmlite.binding as _llvm
+
+    _AVX512 = bool(_llvm.get_host_cpu_features().get("avx512f", False))
+
+    @numba.extending.intrinsic
+    def _fp4_row_dot_avx512(typingctx, packed, s, row, xe, xo):
+        # float32 sum_k W[row, k] * x[k], W FP4 (packed [J, K / 2] C-contiguous uint8, s [J, K / 32] UE8M0)
+        from numba.core import cgutils
+
+        def codegen(context, builder, signature, args):
+            pk_t, s_t, _, xe_t, xo_t = signature.args
+            pk, sc = (
+                context.make_array(pk_t)(context, builder, args[0]),
+                context.make_array(s_t)(context, builder, args[1]),
+            )
+            xe_a = context.make_array(xe_t)(context, builder, args[3])
+            xo_a = context.make_array(xo_t)(context, builder, args[4])
+            row_ = args[2]
+            f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
+            v16f, v16i, v16b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
+            intp = context.get_value_type(numba.types.intp)
+            lut = ir.Constant(
+                v16f, [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+            )
+            perm = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(v16f, [v16f, v16i]), "llvm.x86.avx512.permvar.sf.512"
+            )
+            groups = builder.udiv(builder.extract_value(pk.shape, 1), ir.Constant(intp, 16))
+            acc_ptr = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+            zero = ir.Constant(i32, 0)
+
+            def scales(e):  # UE8M0 exponents (i32 or <16 x i32>) -> 2^(e - 127), e = 0 -> 2^-127
+                like = e.type
+                return builder.select(
+                    builder.icmp_unsigned("==", e, ir.Constant(like, 0 if like == i32 else [0] * 16)),
+                    ir.Constant(like, 1 << 22 if like == i32 else [1 << 22] * 16),
+                    builder.shl(e, ir.Constant(like, 23 if like == i32 else [23] * 16)),
+                )
+
+            def group(g, sv, acc):  # acc + the 32 products of group g times its scale (sv, broadcast)
+                base = builder.mul(g, ir.Constant(intp, 16))
+                bp = cgutils.get_item_pointer(context, builder, pk_t, pk, [row_, base], wraparound=False)
+                b = builder.zext(builder.load(builder.bitcast(bp, v16b.as_pointer()), align=1), v16i)
+                lo = builder.call(perm, [lut, builder.and_(b, ir.Constant(v16i, [15] * 16))])
+                hi = builder.call(perm, [lut, builder.lshr(b, ir.Constant(v16i, [4] * 16))])
+                ep = cgutils.get_item_pointer(context, builder, xe_t, xe_a, [base], wraparound=False)
+                op = cgutils.get_item_pointer(context, builder, xo_t, xo_a, [base], wraparound=False)
+                xev = builder.load(builder.bitcast(ep, v16f.as_pointer()), align=4)
+                xov = builder.load(builder.bitcast(op, v16f.as_pointer()), align=4)
+                fast = ("contract",)
+                part = builder.fadd(builder.fmul(lo, xev, flags=fast), builder.fmul(hi, xov, flags=fast), flags=fast)
+                return builder.fadd(acc, builder.fmul(part, sv, flags=fast), flags=fast)
+
+            # 16 groups per iteration, their 16 scales decoded as one vector; then the groups left one by one.
+            blocks = builder.udiv(groups, ir.Constant(intp, 16))
+            with cgutils.for_range(builder, blocks) as loop:
+                g0 = builder.mul(loop.index, ir.Constant(intp, 16))
+                sp = cgutils.get_item_pointer(context, builder, s_t, sc, [row_, g0], wraparound=False)
+                sv16 = builder.bitcast(
+                    scales(builder.zext(builder.load(builder.bitcast(sp, v16b.as_pointer()), align=1), v16i)), v16f
+                )
+                accs = [builder.load(acc_ptr), ir.Constant(v16f, [0.0] * 16)]  # two chains of additions
+                for j in range(16):
+                    sv = builder.shuffle_vector(sv16, ir.Constant(v16f, ir.Undefined), ir.Constant(v16i, [j] * 16))
+                    accs[j % 2] = group(builder.add(g0, ir.Constant(intp, j)), sv, accs[j % 2])
+                builder.store(builder.fadd(accs[0], accs[1], flags=("contract",)), acc_ptr)
+            done = builder.mul(blocks, ir.Constant(intp, 16))
+            with cgutils.for_range(builder, builder.sub(groups, done)) as loop:
+                g = builder.add(done, loop.index)
+                sp = cgutils.get_item_pointer(context, builder, s_t, sc, [row_, g], wraparound=False)
+                scale = builder.bitcast(scales(builder.zext(builder.load(sp), i32)), f32)
+                sv = builder.shuffle_vector(
+                    builder.insert_element(ir.Constant(v16f, ir.Undefined), scale, zero),
+                    ir.Constant(v16f, ir.Undefined),
+                    ir.Constant(v16i, [0] * 16),
+                )
+                builder.store(group(g, sv, builder.load(acc_ptr)), acc_ptr)
+            v = builder.load(acc_ptr)
+            width = 16
+            while width > 1:  # lanes summed pairwise: halves added until one is left
+                width //= 2
+                a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+                c = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
+                v = builder.fadd(a, c)
+            return builder.extract_element(v, zero)
+
+        return numba.types.float32(packed, s, row, xe, xo), codegen
+
+
 def _fp4_rows(x, packed, s, out, n):  # pragma: no cover - compiled
     # out[:n, :m] = x[:n] @ W[:m]^T for the FP4 weight W: packed [J, K / 2] (element 2i in the low nibble of byte
     # i), s [J, K / 32] UE8M0 exponents
     m, half = out.shape[1], packed.shape[1]
     step = FP4_GROUP // 2
-    if n == 1:  # one row: each group's sum of products in registers, then times its scale
+    if n == 1:  # one row: x's even and odd elements apart, then per row its groups' sums times their scales
+        xe = np.empty(half, dtype=np.float32)
+        xo = np.empty(half, dtype=np.float32)
+        for j in range(half):
+            xe[j] = x[0, 2 * j]
+            xo[j] = x[0, 2 * j + 1]
+        if _AVX512:
+            for row in range(m):
+                out[0, row] = _fp4_row_dot_avx512(packed, s, row, xe, xo)
+            return
         for row in range(m):
             total = np.float32(0.0)
-            for g in range(2 * half // FP4_GROUP):
+            for g in range(half // step):
                 base = g * step
                 acc = np.float32(0.0)
                 for i in range(step):
                     byte = np.int32(packed[row, base + i])
-                    acc += _e2m1(byte & np.int32(15)) * x[0, 2 * (base + i)]
-                    acc += _e2m1(byte >> np.int32(4)) * x[0, 2 * (base + i) + 1]
+                    acc += _e2m1(byte & np.int32(15)) * xe[base + i] + _e2m1(byte >> np.int32(4)) * xo[base + i]
                 total += acc * _ue8m0(s[row, g])
             out[0, row] = total
         return

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -335,22 +335,64 @@ def _saved_name(name: str, prefix: str) -> str:
     return prefix + name
 
 
-def save_checkpoint(model: DeepseekV4, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:
-    """Writes config.json and model.safetensors in the layout transformers reads."""
-    from safetensors.torch import save_file
-
+def save_checkpoint(
+    model: DeepseekV4, out_dir: str | Path, dtype: torch.dtype | None = None, max_shard_size: int | None = None
+) -> None:
+    """Writes config.json and the weights in the layout transformers reads: model.safetensors, or shards of at
+    most `max_shard_size` bytes with an index (write_safetensors)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, tensor in iter_state_for_save(model):
-        if dtype is not None and tensor.is_floating_point() and not _keeps_fp32(name):
-            tensor = tensor.to(dtype)
-        tensors[name] = tensor.contiguous()
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in iter_state_for_save(model):
+            if dtype is not None and tensor.is_floating_point() and not _keeps_fp32(name):
+                tensor = tensor.to(dtype)
+            yield name, tensor
+
     hf = model.cfg.to_hf_dict()
     if dtype is not None:
         hf["dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+    write_safetensors(out, tensors(), max_shard_size)
+
+
+def write_safetensors(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_shard_size: int | None) -> None:
+    """Writes (name, tensor) pairs into `out` as model.safetensors, or, with `max_shard_size` bytes, as shards
+    model-0000i-of-0000n.safetensors with model.safetensors.index.json (one shard in memory at a time: safetensors
+    copies what it writes). Removes the weight files of an earlier write."""
+    from safetensors.torch import save_file
+
+    for stale in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    files: list[tuple[str, list[str]]] = []
+    size = total = 0
+
+    def flush() -> None:
+        file = f"part-{len(files):05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        files.append((file, list(shard)))
+        shard.clear()
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if max_shard_size is not None and shard and size + nbytes > max_shard_size:
+            flush()
+            size = 0
+        shard[name] = tensor.contiguous()
+        size += nbytes
+        total += nbytes
+    flush()
+    if len(files) == 1:
+        (out / files[0][0]).rename(out / SINGLE_FILE)
+        return
+    weight_map = {}
+    for i, (file, names) in enumerate(files):
+        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        (out / file).rename(out / final)
+        weight_map |= dict.fromkeys(names, final)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _keeps_fp32(saved_name: str) -> bool:

@@ -1,0 +1,340 @@
+"""`leanserve bench formats`: decode at real per-layer scale, the published format (FP8 linears, FP4 experts) vs
+bf16, side by side in one run, with the weight bytes a token reads and the memory bandwidth that achieves.
+
+The model is DeepSeek-V4-Flash's shipped config (configs/deepseek-v4-flash.json: hidden 4096, 64 heads of 512,
+q_lora_rank 1024, 8 output groups of rank 1024, an indexer of 64 heads of 128, experts of 2048, top-6) with fewer
+layers and experts: by default 2 layers, CSA (rate 4) then HCA (rate 128), as Flash's layers 2 and 3 (its layers
+0-1 are sliding-window ones and 0-2 hash-routed), both routed top-k MoE, 64 experts; no MTP layer. The vocabulary is
+chosen so that the head's share of a decode token's weight bytes (published format) is real Flash's, which a
+2-layer model with Flash's 129280-token head would not have (the head would dominate); `--vocab-size` overrides.
+
+The random bf16 checkpoint is written first, then quantized with leanserve's own quantizer, so both hold the same
+model. Each loads into its own runner; decode steps (greedy, each sampled token fed back) alternate between the two
+(which goes first alternating too); the medians are reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from leanserve.config import CSA, HCA, MOE, ModelConfig
+
+FLASH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v4-flash.json"
+FORMATS = ("bf16", "published")
+SHARD = 2 * 10**9  # bytes per safetensors shard written (safetensors copies a shard in memory as it writes)
+
+
+@dataclass
+class FormatRow:
+    format: str
+    batch_size: int
+    step_ms: float
+    tok_s: float
+    mb_per_token: float | None  # batch 1 only (see TokenBytes)
+    gb_s: float | None  # mb_per_token x tok/s
+    of_bandwidth: float | None  # gb_s / the measured memory bandwidth
+    vs_bf16: float  # tok/s / bf16's at the same batch
+
+
+FORMAT_HEADERS = {
+    "format": "format",
+    "batch_size": "batch",
+    "step_ms": "step ms",
+    "tok_s": "tok/s",
+    "mb_per_token": "MB/token",
+    "gb_s": "GB/s",
+    "of_bandwidth": "of bandwidth",
+    "vs_bf16": "x bf16",
+}
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """The weight bytes one decode token reads, at batch 1: every dense tensor of the blocks (attention, indexer,
+    compressors, norms, mHC, router, shared expert) and the final norm / hc_head, the top-k routed experts of each
+    MoE layer (k / E of the layer's expert bytes, scales included), the head, and one embedding row."""
+
+    dense: int
+    experts: int
+    head: int
+    embed_row: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts + self.head + self.embed_row
+
+
+def token_bytes(cfg: ModelConfig, published: bool) -> TokenBytes:
+    """TokenBytes of `cfg` (plain weights: bf16) or of its published form, from the model's tensors (built on the
+    meta device) in the dtypes the checkpoints store them in (quantize.py: FP8 / FP4 bytes; float32 for mHC, sinks,
+    compressor position biases and router biases; bf16 for every other float)."""
+    from leanserve.engine.topology import PipelineTopology
+    from leanserve.model.deepseek_v4 import DeepseekV4
+    from leanserve.quantize import _float_dtype, quantized_config
+
+    cfg = quantized_config(cfg) if published else dataclasses.replace(cfg, quantization=None)
+    with torch.device("meta"):
+        model = DeepseekV4(cfg, 1, PipelineTopology.build(cfg, 1).layout(0), with_mtp=False)
+    dense = experts = head = embed = 0
+    for name, t in model.state_dict().items():
+        size = t.element_size() if t.element_size() == 1 or not t.is_floating_point() else _float_dtype(name).itemsize
+        nbytes = t.numel() * size
+        if ".experts." in name:
+            experts += nbytes * cfg.num_experts_per_tok // cfg.n_routed_experts
+        elif name == "head.weight":
+            head += nbytes
+        elif name == "embed.weight" or name.endswith("tid2eid"):  # one row per token
+            embed += nbytes // t.shape[0]
+        else:
+            dense += nbytes
+    return TokenBytes(dense, experts, head, embed)
+
+
+def head_share(cfg: ModelConfig) -> float:
+    """The head's share of a decode token's weight bytes in the published format."""
+    b = token_bytes(cfg, published=True)
+    return b.head / b.total
+
+
+def bench_config(layers: int = 2, experts: int = 64, vocab_size: int | None = None) -> ModelConfig:
+    """Flash's shipped config with `layers` layers (CSA and HCA alternating, top-k MoE), `experts` routed experts,
+    no MTP, bf16; vocab_size None: matched_vocab's."""
+    flash = ModelConfig.from_json_file(FLASH_CONFIG)
+    cfg = dataclasses.replace(
+        flash, num_hidden_layers=layers, layer_types=tuple(CSA if i % 2 == 0 else HCA for i in range(layers)),
+        mlp_layer_types=(MOE,) * layers, n_routed_experts=experts, num_nextn_predict_layers=0, quantization=None,
+        torch_dtype="bfloat16",
+    )  # fmt: skip
+    return dataclasses.replace(cfg, vocab_size=vocab_size or matched_vocab(cfg, head_share(flash)))
+
+
+def matched_vocab(cfg: ModelConfig, share: float, multiple: int = 256) -> int:
+    """The vocabulary (a multiple of `multiple`) that gives the head `share` of cfg's published token bytes."""
+    b = token_bytes(cfg, published=True)
+    row = b.head // cfg.vocab_size  # bytes per head row (bf16 in both formats)
+    rest = b.total - b.head
+    return max(multiple, round(share / (1 - share) * rest / row / multiple) * multiple)
+
+
+def _same_model(model_dir: Path, cfg: ModelConfig) -> bool:
+    from leanserve.model.loader import INDEX_FILE, SINGLE_FILE
+
+    # (a write that stopped part-way leaves no index / single file: the weights are written after config.json)
+    if not (model_dir / "config.json").is_file() or not any(
+        (model_dir / f).is_file() for f in (INDEX_FILE, SINGLE_FILE)
+    ):
+        return False
+    have = ModelConfig.from_hf(model_dir)
+    keys = (
+        "vocab_size",
+        "num_hidden_layers",
+        "n_routed_experts",
+        "layer_types",
+        "hidden_size",
+        "num_nextn_predict_layers",
+    )
+    return all(getattr(have, k) == getattr(cfg, k) for k in keys)
+
+
+def make_checkpoints(root: Path, cfg: ModelConfig, seed: int = 0, log=print) -> dict[str, Path]:
+    """root/bf16 (random bf16 weights) and root/published (that checkpoint through `leanserve quantize`); each
+    reused when it holds cfg's model already."""
+    from leanserve.make_random import randomize_
+    from leanserve.model.deepseek_v4 import build_model
+    from leanserve.model.loader import save_checkpoint
+    from leanserve.quantize import quantize_checkpoint
+
+    dirs = {"bf16": root / "bf16", "published": root / "published"}
+    if not _same_model(dirs["bf16"], cfg):
+        log(f"writing the random bf16 checkpoint to {dirs['bf16']} ...")
+        model = build_model(cfg, max_positions=1, dtype=torch.bfloat16)
+        randomize_(model, seed, by_slice=True)
+        save_checkpoint(model, dirs["bf16"], dtype=torch.bfloat16, max_shard_size=SHARD)
+        del model
+        (dirs["published"] / "config.json").unlink(missing_ok=True)  # (stale: remade from the new weights)
+    if not _same_model(dirs["published"], cfg):
+        log(f"quantizing it to the published format in {dirs['published']} ...")
+        quantize_checkpoint(dirs["bf16"], dirs["published"], force=True, max_shard_size=SHARD)
+    return dirs
+
+
+def _read_sum(a, parts):  # pragma: no cover - compiled: a's sum, as `parts` slices (spread over numba's threads)
+    out = np.zeros(parts, dtype=np.float32)
+    step = a.shape[0] // parts
+    for p in _prange(parts):
+        part = a[p * step : (p + 1) * step]
+        s = np.float32(0.0)
+        for i in range(part.shape[0]):  # (vectorised: a read at full speed, unlike numpy's pairwise sum)
+            s += part[i]
+        out[p] = s
+    return out.sum()
+
+
+try:
+    import numba
+
+    from leanserve.model.cpu_kernels import _jit
+
+    _prange = numba.prange
+    _read_sum_one, _read_sum_par = _jit(_read_sum), _jit(_read_sum, parallel=True)
+except ImportError:  # pragma: no cover
+    numba = None
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 9) -> dict[str, float]:
+    """Read bandwidth in GB/s over a `gib` GiB float32 array, best of `repeats`: numpy's sum (one thread; it is
+    bound by its pairwise summation, not by memory), a vectorised sum on one thread and one spread over all of
+    numba's threads; "machine": the largest."""
+    a = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
+    runs = {"numpy sum, 1 thread": a.sum}
+    if numba is not None:
+        threads = numba.get_num_threads()
+        _read_sum_one(a[:1024], 1), _read_sum_par(a[:1024], 8)
+        runs["vectorised sum, 1 thread"] = lambda: _read_sum_one(a, 1)
+        runs[f"vectorised sum, {threads} threads"] = lambda: _read_sum_par(a, 64)
+    out = {name: a.nbytes / min(_seconds(fn) for _ in range(repeats)) / 1e9 for name, fn in runs.items()}
+    out["machine"] = max(out.values())
+    return out
+
+
+def _seconds(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _runner(model_dir: Path, max_seqs: int, max_len: int):
+    from leanserve.config import EngineConfig
+    from leanserve.engine.llm_engine import resolve_dtype
+    from leanserve.engine.runner import StageRunner
+    from leanserve.engine.topology import PipelineTopology
+
+    cfg = ModelConfig.from_hf(model_dir)
+    config = EngineConfig(str(model_dir), max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=max_len)
+    dtype = resolve_dtype("auto", str(model_dir))
+    return StageRunner(cfg, config, PipelineTopology.build(cfg, 1).layout(0), dtype, max_len, progress=False)
+
+
+class _Decoder:
+    """Greedy decode of `batch` sequences on a runner, one step per call (each sampled token fed back)."""
+
+    def __init__(self, runner, batch: int, prompt_len: int) -> None:
+        from leanserve.bench.common import prefill
+
+        prefill(runner, batch, prompt_len)
+        self.runner, self.batch, self.position, self.steps = runner, batch, prompt_len, 0
+        self.tokens = [5] * batch
+
+    def __call__(self) -> float:
+        from leanserve.engine.runner import SampleSpec, StepPlan
+        from leanserve.model.batch import Chunk
+        from leanserve.sampling_params import SamplingParams
+
+        greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20)
+        chunks = tuple(Chunk(s, self.position, (self.tokens[s],)) for s in range(self.batch))
+        samples = tuple(SampleSpec(s, greedy, 0, self.steps, s) for s in range(self.batch))
+        start = time.perf_counter()
+        outs = self.runner.execute(StepPlan(chunks, tuple(range(self.batch)), samples), propose=False)
+        seconds = time.perf_counter() - start
+        self.tokens = [outs[s].tokens[-1].token_id for s in range(self.batch)]
+        self.position += 1
+        self.steps += 1
+        return seconds
+
+
+def formats_bench(
+    root: str | Path,
+    batch_sizes: list[int],
+    layers: int = 2,
+    experts: int = 64,
+    vocab_size: int | None = None,
+    rounds: int = 20,
+    prompt_len: int = 16,
+    seed: int = 0,
+    log=print,
+) -> tuple[list[FormatRow], list[str]]:
+    """(rows, notes): decode tok/s of the published and bf16 checkpoints of bench_config's model at each batch
+    size, with the batch-1 bytes per token, GB/s and share of the measured memory bandwidth."""
+    root = Path(root)
+    cfg = bench_config(layers, experts, vocab_size)
+    flash = ModelConfig.from_json_file(FLASH_CONFIG)
+    dirs = make_checkpoints(root, cfg, seed, log)
+    sizes = {f: sum(p.stat().st_size for p in d.glob("*.safetensors")) for f, d in dirs.items()}
+    available = _mem_available()
+    # (loading both peaked at about 1.65x their files' bytes here: leave that much and some room)
+    together = available is None or 1.8 * sum(sizes.values()) < available
+    max_len = prompt_len + rounds + 8
+    bws = [memory_bandwidth()]  # measured before, between and after the timings: the best of each kind is kept
+    medians: dict[tuple[str, int], float] = {}
+    runners = {}
+    for group in [FORMATS] if together else [(f,) for f in FORMATS]:  # both loaded, or one after the other
+        runners = {f: _runner(dirs[f], max(batch_sizes), max_len) for f in group}
+        for batch in batch_sizes:
+            decoders = {f: _Decoder(r, batch, prompt_len) for f, r in runners.items()}
+            for d in decoders.values():  # warm-up (compiles)
+                d(), d()
+            times: dict[str, list[float]] = {f: [] for f in group}
+            for r in range(rounds):
+                for f in group if r % 2 == 0 else group[::-1]:
+                    times[f].append(decoders[f]())
+            medians |= {(f, batch): statistics.median(v) for f, v in times.items()}
+            bws.append(memory_bandwidth())
+        del runners
+    bw = {k: max(b[k] for b in bws) for k in bws[0]}
+    per_token = {f: token_bytes(cfg, published=f == "published") for f in FORMATS}
+    rows = []
+    for batch in batch_sizes:
+        for f in ("published", "bf16"):
+            step = medians[(f, batch)]
+            tok_s = batch / step
+            mb = per_token[f].total / 1e6 if batch == 1 else None
+            gbs = mb * tok_s / 1e3 if mb is not None else None
+            share = round(gbs / bw["machine"], 3) if gbs is not None else None
+            vs = medians[("bf16", batch)] / step
+            rows.append(
+                FormatRow(f, batch, round(step * 1e3, 2), round(tok_s, 2), mb and round(mb, 1),
+                          gbs and round(gbs, 2), share, round(vs, 2))
+            )  # fmt: skip
+    b, fb = per_token["published"], token_bytes(flash, published=True)
+    notes = [
+        f"model: DeepSeek-V4-Flash's per-layer shapes, {layers} layers ({', '.join(cfg.layer_types)}), "
+        f"{experts} routed experts (top-{cfg.num_experts_per_tok}) + 1 shared, no MTP; vocabulary {cfg.vocab_size}",
+        f"vocabulary: the head is {b.head / b.total:.1%} of a published token's bytes here, "
+        f"{fb.head / fb.total:.1%} in real Flash (43 layers x {(fb.total - fb.head) / 43 / 1e6:.0f} MB + "
+        f"a {fb.head / 1e9:.2f} GB head)" + ("" if vocab_size else ": vocabulary chosen to match"),
+        "bytes/token (batch 1): "
+        + "; ".join(
+            f"{f} {t.total / 1e6:.1f} MB = dense {t.dense / 1e6:.1f} + routed experts {t.experts / 1e6:.1f} "
+            f"+ head {t.head / 1e6:.1f} + embedding row"
+            for f, t in per_token.items()
+        ),
+        f"memory bandwidth (best of {9 * len(bws)} reads of 1 GiB, before, between and after the timings): "
+        + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items() if k != "machine")
+        + f"; shares are of {bw['machine']:.1f} GB/s",
+        f"checkpoints: {', '.join(f'{f} {sizes[f] / 1e9:.2f} GB' for f in FORMATS)} in {root}; "
+        + ("both loaded, steps interleaved" if together else "loaded one after the other (memory)")
+        + f"; {rounds} steps per format and batch after 2 warm-up, medians; torch threads {torch.get_num_threads()}",
+    ]
+    return rows, notes
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def rows_json(rows: list[FormatRow], notes: list[str]) -> str:
+    return json.dumps({"notes": notes, "rows": [dataclasses.asdict(r) for r in rows]})

@@ -1,0 +1,39 @@
+"""`leanserve bench formats`' accounting (no timing): the weight bytes a decode token reads, and the vocabulary
+that gives the head a chosen share of them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from leanserve.bench.formats import bench_config, head_share, matched_vocab, token_bytes
+from leanserve.make_random import preset_config
+
+
+def test_token_bytes_counts_top_k_experts_the_head_and_one_embedding_row():
+    cfg = preset_config("tiny")  # hidden 64, experts of 32, 8 experts top-2, 4 layers (one hash-routed), vocab 512
+    h, inter, e, k, layers = 64, 32, 8, 2, 4
+    plain = token_bytes(cfg, published=False)
+    assert plain.experts == layers * e * (2 * inter * h + h * inter) * 2 * k // e  # bf16
+    assert plain.head == 512 * h * 2
+    assert plain.embed_row == h * 2 + k * 8  # an embedding row and the hash layer's tid2eid row (int64)
+    published = token_bytes(cfg, published=True)
+    fp4 = (2 * inter * h // 2 + 2 * inter * h // 32) + (h * inter // 2 + h * inter // 32)  # packed values + scales
+    assert published.experts == layers * e * fp4 * k // e
+    assert published.head == plain.head  # (bf16 in both formats)
+    assert published.dense < plain.dense  # FP8 linears
+
+
+def test_matched_vocab_gives_the_head_its_share():
+    cfg = preset_config("tiny")
+    vocab = matched_vocab(cfg, 0.25, multiple=8)
+    assert head_share(dataclasses.replace(cfg, vocab_size=vocab)) == pytest.approx(0.25, abs=0.01)
+
+
+def test_bench_config_is_flash_per_layer():
+    cfg = bench_config(layers=2, experts=16, vocab_size=1024)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank) == (4096, 64, 512, 1024)
+    assert (cfg.o_groups, cfg.o_lora_rank, cfg.index_n_heads, cfg.index_head_dim) == (8, 1024, 64, 128)
+    assert (cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok) == (2048, 16, 6)
+    assert cfg.quantization is None and not cfg.has_mtp and cfg.vocab_size == 1024
