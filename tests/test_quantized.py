@@ -8,7 +8,6 @@ Fp8Dequantize: FP8 blocks and I8-packed FP4 experts); leanserve keeps the bytes 
 
 from __future__ import annotations
 
-import gc
 import json
 import shutil
 from pathlib import Path
@@ -27,6 +26,7 @@ from leanserve.model.deepseek_v4 import DeepseekV4, build_model
 from leanserve.model.loader import CheckpointError, load_weights
 from leanserve.model.quant import Fp4Weight, Fp8Experts, quantize_fp4, quantize_fp8
 from leanserve.quantize import quantize_checkpoint
+from test_memory import live_storages
 
 TOL = 1e-4
 NEW_TOKENS = 32
@@ -454,16 +454,6 @@ def test_fp4_needs_dimensions_in_multiples_of_32(tmp_path):
 
 
 # --- memory: the engine holds the file's bytes ----------------------------------------------------------
-def live_storages() -> dict[int, int]:
-    gc.collect()
-    out = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and obj.device.type != "meta":
-            storage = obj.untyped_storage()
-            out[storage.data_ptr()] = storage.nbytes()
-    return out
-
-
 def test_engine_holds_about_the_files_bytes(tiny_pub, pub_tensors, ids_of):
     before = live_storages()
     llm = LLM(str(tiny_pub), max_model_len=128, max_num_seqs=2, load_progress=False)  # dtype auto: bfloat16
