@@ -321,9 +321,9 @@ def test_quantized_model_decodes_as_the_torch_backend(experts, quantized_models,
         assert (a - b).abs().max() < 1e-4 and (am - bm).abs().max() < 1e-4
 
 
-def test_quantized_decode_steps_take_the_cpu_fast_path(quantized_models, lean_runner_cls, monkeypatch):
-    # Quantized models' decode steps (and their MTP steps) run whole through decode.run_blocks and
-    # decode.mtp_inputs, the kernels reading FP8 / FP4 weights as stored.
+@pytest.fixture
+def decode_calls(monkeypatch) -> dict[str, int]:
+    """Counts the CPU backend's whole-step numpy path: decode.run_blocks (trunk) and decode.mtp_inputs (MTP)."""
     from leanserve.model import decode
 
     calls = {"blocks": 0, "mtp": 0}
@@ -337,6 +337,13 @@ def test_quantized_decode_steps_take_the_cpu_fast_path(quantized_models, lean_ru
 
     monkeypatch.setattr(decode, "run_blocks", counting("blocks", decode.run_blocks))
     monkeypatch.setattr(decode, "mtp_inputs", counting("mtp", decode.mtp_inputs))
+    return calls
+
+
+def test_quantized_decode_steps_take_the_cpu_fast_path(quantized_models, lean_runner_cls, decode_calls):
+    # Quantized models' decode steps (and their MTP steps) run whole through decode.run_blocks and
+    # decode.mtp_inputs, the kernels reading FP8 / FP4 weights as stored.
+    calls = decode_calls
     for model in quantized_models.values():
         set_backend(model, _cpu())
         calls.update(blocks=0, mtp=0)
@@ -387,24 +394,13 @@ def test_engine_with_kernels_matches_torch_backend(dtype):
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 1}])
-def test_decode_steps_take_the_cpu_fast_path(spec, monkeypatch):
+def test_decode_steps_take_the_cpu_fast_path(spec, decode_calls):
     # Decode steps (and verification and MTP steps) on the CPU backend run whole through decode.run_blocks and
     # the MTP layer through decode.mtp_inputs: if the CPU backend stopped taking them (decoding 2-3x slower,
     # same tokens), this fails.
     from leanserve import LLM, SamplingParams
-    from leanserve.model import decode
 
-    calls = {"blocks": 0, "mtp": 0}
-
-    def counting(name, fn):
-        def wrapped(*args, **kw):
-            calls[name] += 1
-            return fn(*args, **kw)
-
-        return wrapped
-
-    monkeypatch.setattr(decode, "run_blocks", counting("blocks", decode.run_blocks))
-    monkeypatch.setattr(decode, "mtp_inputs", counting("mtp", decode.mtp_inputs))
+    calls = decode_calls
     llm = LLM("models/dsv4-stdlib-8m", dtype="bfloat16", max_model_len=64, load_progress=False,
               speculative_config=spec)  # fmt: skip
     calls.update(blocks=0, mtp=0)  # (the warm-up's)
