@@ -25,6 +25,14 @@ def _both(op: str, *args):
     return getattr(_cpu(), op)(*args), getattr(TORCH, op)(*args)
 
 
+def _module_both(module, *args):
+    """A module's output on the CPU backend and on the torch backend."""
+    set_backend(module, _cpu())
+    fast = module(*args)
+    set_backend(module, TORCH)
+    return fast, module(*args)
+
+
 def test_backend_is_chosen_from_device_dtype_and_kernels():
     from leanserve.model.cpu_backend import CpuBackend
 
@@ -131,10 +139,8 @@ def test_moe_few_tokens_matches_grouped(kind, scoring, weight_dtype):
         moe.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, moe.gate.tid2eid.shape, generator=gen))
     x = torch.randn(FEW_ROWS, cfg.hidden_size, generator=gen)
     ids = torch.randint(0, cfg.vocab_size, (FEW_ROWS,), generator=gen)
-    set_backend(moe, _cpu())
-    fast = moe(x, ids)
-    set_backend(moe, TORCH)
-    torch.testing.assert_close(fast, moe(x, ids), rtol=1e-4, atol=1e-5)
+    fast, ref = _module_both(moe, x, ids)
+    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
 
 
 def _quantized_experts(w: torch.Tensor, kind: str, halves: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,10 +260,8 @@ def test_quantized_moe_few_tokens_matches_torch(kind, experts, tokens):
     _fill_quantized(moe, plain)
     x = torch.randn(tokens, cfg.hidden_size, generator=gen)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen)
-    set_backend(moe, _cpu())
-    fast = moe(x, ids)
-    set_backend(moe, TORCH)
-    torch.testing.assert_close(fast, moe(x, ids), rtol=1e-5, atol=1e-5)
+    fast, ref = _module_both(moe, x, ids)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

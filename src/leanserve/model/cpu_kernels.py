@@ -468,18 +468,33 @@ _linear_rows_jit = _jit(_linear_rows_any)
 LINEAR_CHUNK = 64  # weight rows per task of the threaded linear
 
 
-def _linear(x, ws, outs):  # pragma: no cover - compiled
-    # outs[i] = x @ ws[i]^T for a tuple of weights of one dtype (the linears that read the same input), the
-    # weights' rows in chunks of LINEAR_CHUNK, one task each
+def _chunk_ends(ws):  # pragma: no cover - compiled
+    # The tasks of a tuple of weights split in chunks of LINEAR_CHUNK rows: weight i's are [ends[i], ends[i+1])
     ends = np.zeros(len(ws) + 1, dtype=np.int64)
     for i in range(len(ws)):
         ends[i + 1] = ends[i] + (ws[i].shape[0] + LINEAR_CHUNK - 1) // LINEAR_CHUNK
+    return ends
+
+
+def _chunk_of(ends, task):  # pragma: no cover - compiled
+    # (the weight a task belongs to, its first row)
+    i = 0
+    while ends[i + 1] <= task:
+        i += 1
+    return i, (task - ends[i]) * LINEAR_CHUNK
+
+
+_chunk_ends_jit = _jit(_chunk_ends)
+_chunk_of_jit = _jit(_chunk_of)
+
+
+def _linear(x, ws, outs):  # pragma: no cover - compiled
+    # outs[i] = x @ ws[i]^T for a tuple of weights of one dtype (the linears that read the same input), the
+    # weights' rows in chunks of LINEAR_CHUNK, one task each
+    ends = _chunk_ends_jit(ws)
     for task in prange(ends[len(ws)]):
-        i = 0
-        while ends[i + 1] <= task:
-            i += 1
+        i, j0 = _chunk_of_jit(ends, task)
         w, out = ws[i], outs[i]
-        j0 = (task - ends[i]) * LINEAR_CHUNK
         j1 = min(w.shape[0], j0 + LINEAR_CHUNK)
         _linear_rows_jit(x, w[j0:j1], out[:, j0:j1], x.shape[0])
 
@@ -923,15 +938,10 @@ if numba is not None:
 
 def _linear_fp8(x, qs, ss, outs):  # pragma: no cover - compiled
     # outs[i] = x @ W_i^T for a tuple of FP8 weights (bytes qs[i], scales ss[i]), in chunks of LINEAR_CHUNK rows
-    ends = np.zeros(len(qs) + 1, dtype=np.int64)
-    for i in range(len(qs)):
-        ends[i + 1] = ends[i] + (qs[i].shape[0] + LINEAR_CHUNK - 1) // LINEAR_CHUNK
+    ends = _chunk_ends_jit(qs)
     for task in prange(ends[len(qs)]):
-        i = 0
-        while ends[i + 1] <= task:
-            i += 1
+        i, j0 = _chunk_of_jit(ends, task)
         q, out = qs[i], outs[i]
-        j0 = (task - ends[i]) * LINEAR_CHUNK
         j1 = min(q.shape[0], j0 + LINEAR_CHUNK)
         _fp8_rows_jit(x, q, ss[i], j0, out[:, j0:j1], x.shape[0])
 
