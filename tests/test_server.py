@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -317,6 +318,19 @@ def test_api_key_pipeline_speculation_and_clean_shutdown(local):
         out = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=30, temperature=0)
         assert out.choices[0].text == greedy_text(local, PROMPTS[0], 30)
         assert s.metric("leanserve_spec_decode_num_accepted_tokens") > 0
+        # Concurrent streams with stop strings: micro-batches in flight, requests finishing mid-flight.
+        texts = [greedy_text(local, p, 30) for p in PROMPTS[:4]]
+        stops = [t[10:14] for t in texts]
+
+        def stream(i: int) -> str:
+            parts = client.completions.create(
+                model=NAME, prompt=PROMPTS[i], max_tokens=30, temperature=0, stop=stops[i], stream=True
+            )
+            return "".join(c.choices[0].text for c in parts)
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(stream, range(4)))
+        assert got == [t[: t.index(stop)] for t, stop in zip(texts, stops, strict=True)]
         stages = [p for p in _children(s.proc.pid)]
         assert stages  # the pipeline's second stage
     finally:
@@ -413,9 +427,17 @@ def test_a_pipeline_stage_that_dies_stops_the_server_naming_it():
     s = Server("-pp", "2")
     try:
         (stage,) = _children(s.proc.pid)
-        os.kill(stage, signal.SIGKILL)
-        status, raw = s.raw("/v1/completions", json.dumps({"model": NAME, "prompt": "x", "max_tokens": 4}).encode())
-        assert status == 503 and "pipeline stage 1 died" in json.loads(raw)["error"]["message"]
+        # Requests in flight (two micro-batches' worth) when the stage dies each get an error, not silence.
+        body = json.dumps({"model": NAME, "prompt": "x", "max_tokens": 400, "ignore_eos": True}).encode()
+        with ThreadPoolExecutor(4) as pool:
+            running = [pool.submit(s.raw, "/v1/completions", body) for _ in range(4)]
+            deadline = time.monotonic() + 30
+            while s.metric("leanserve_num_requests_running") < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(stage, signal.SIGKILL)
+            for f in running:
+                status, raw = f.result(timeout=30)
+                assert status == 503 and "pipeline stage 1 died" in json.loads(raw)["error"]["message"]
         code = s.proc.wait(timeout=30)  # the server shuts down so a supervisor can restart it
         assert code == 1 and "pipeline stage 1 died" in s.proc.stderr.read()
     finally:

@@ -37,6 +37,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         help="layers per stage, e.g. 3,2,2 (default: even split)",
     )
     p.add_argument(
+        "--no-pipeline-overlap",
+        dest="pipeline_overlap",
+        action="store_false",
+        help="with -pp N: one step at a time through the stages (default: N micro-batches in flight)",
+    )
+    p.add_argument(
         "--speculative-config", default=None, help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\''
     )
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -197,6 +203,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     fm.add_argument("--rounds", type=int, default=20, help="decode steps per format and batch size")
     fm.add_argument("--threads", type=int, default=None)
     fm.add_argument("--output", default="table", choices=["table", "json"])
+    pp = kinds.add_parser(
+        "pp", help="tokens/s of PP=1, PP=N one step at a time and PP=N with overlap, with each stage's busy fraction"
+    )
+    pp.add_argument("--model", required=True)
+    pp.add_argument("--concurrency", type=_int_list, default=[1, 8, 32])
+    pp.add_argument("--stages", type=int, default=2)
+    pp.add_argument("--max-tokens", type=int, default=64)
+    pp.add_argument("--prompt-len", type=int, default=32)
+    pp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    pp.add_argument("--repeats", type=int, default=3)
+    pp.add_argument("--output", default="table", choices=["table", "json"])
     sp = kinds.add_parser("spec", help="tokens/s without speculation vs mtp (k=1, 2) vs ngram, on held-out code")
     sp.add_argument("--model", required=True)
     sp.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
@@ -243,6 +260,15 @@ def _bench(args: argparse.Namespace) -> int:
             args.model, args.concurrency, args.requests, args.max_tokens, args.prompt_len, ["--dtype", args.dtype]
         )
         print_rows(rows, args.output, SERVE_HEADERS)
+    elif args.bench == "pp":
+        from leanserve.bench.pp import PP_HEADERS, pp_bench
+
+        if args.max_tokens < 1 or args.prompt_len < 1:
+            raise ValueError("--prompt-len and --max-tokens must be positive.")
+        rows = pp_bench(
+            args.model, args.concurrency, args.stages, args.max_tokens, args.prompt_len, args.repeats, args.dtype
+        )
+        print_rows(rows, args.output, PP_HEADERS)
     elif args.bench == "spec-cost":
         from leanserve.bench.spec_cost import SPEC_COST_HEADERS, spec_cost_bench
 
@@ -282,6 +308,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "pipeline_layer_counts": args.pipeline_layer_counts,
+        "pipeline_overlap": args.pipeline_overlap,
         "speculative_config": args.speculative_config,
         "max_model_len": args.max_model_len,
         "backend": args.backend,

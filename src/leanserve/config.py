@@ -458,6 +458,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # Layers per stage, first to last; None splits evenly (the remainder on the earliest stages).
     pipeline_layer_counts: tuple[int, ...] | None = None
+    # With N > 1 stages, keep up to N micro-batches in flight so that every stage has work (False: one step
+    # at a time through the stages, each idle while the others work).
+    pipeline_overlap: bool = True
     speculative_config: SpeculativeConfig | None = None
     backend: str = "auto"  # which statement of the model's math each stage runs (model/backend.py)
 
@@ -465,6 +468,8 @@ class EngineConfig:
         pp = self.pipeline_parallel_size
         if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
             raise ConfigError(f"pipeline_parallel_size must be a positive integer, got {pp!r}.")
+        if not isinstance(self.pipeline_overlap, bool):
+            raise ConfigError(f"pipeline_overlap must be true or false, got {self.pipeline_overlap!r}.")
         if self.pipeline_layer_counts is not None:  # checked against the model by PipelineTopology.build
             object.__setattr__(self, "pipeline_layer_counts", tuple(self.pipeline_layer_counts))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -480,6 +485,11 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}.")
+
+    @property
+    def micro_batches(self) -> int:
+        """Steps in flight at once: one per stage with overlap, else one."""
+        return self.pipeline_parallel_size if self.pipeline_overlap else 1
 
     def resolved_max_model_len(self, cfg: ModelConfig) -> int:
         if self.max_model_len is None:

@@ -30,12 +30,14 @@ class LLM:
         load_progress: bool = True,
         pipeline_parallel_size: int = 1,
         pipeline_layer_counts: Sequence[int] | None = None,
+        pipeline_overlap: bool = True,
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
         backend: str = "auto",
     ) -> None:
         """pipeline_parallel_size N > 1 runs the model as N stage processes (this one is stage 0; the others
         are spawned here, or are the other ranks under torchrun); pipeline_layer_counts overrides the even
-        split of layers. speculative_config: {"method": "mtp" | "ngram" | "draft_model", ...}."""
+        split of layers; pipeline_overlap keeps N micro-batches in flight (False: one step at a time).
+        speculative_config: {"method": "mtp" | "ngram" | "draft_model", ...}."""
         config = EngineConfig(
             model=str(model),
             dtype=dtype,
@@ -46,6 +48,7 @@ class LLM:
             device=device,
             pipeline_parallel_size=pipeline_parallel_size,
             pipeline_layer_counts=tuple(pipeline_layer_counts) if pipeline_layer_counts is not None else None,
+            pipeline_overlap=pipeline_overlap,
             speculative_config=speculative_config,
             backend=backend,
         )

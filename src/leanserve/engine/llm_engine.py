@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,14 +62,27 @@ class SpecDecodeMetrics:
 
 
 class LocalExecutor:
-    """The whole model in this process (pipeline_parallel_size 1)."""
+    """The whole model in this process (pipeline_parallel_size 1): a launched step runs at once."""
 
     def __init__(self, runner: StageRunner) -> None:
         self.runner = runner
         self.infos = [runner.info()]
+        self.busy_s = 0.0
+        self._done: deque[dict[int, SeqOutput]] = deque()
+
+    def launch(self, plan: StepPlan) -> None:
+        start = time.perf_counter()
+        self._done.append(self.runner.execute(plan))
+        self.busy_s += time.perf_counter() - start
+
+    def collect(self) -> dict[int, SeqOutput]:
+        return self._done.popleft()
 
     def execute(self, plan: StepPlan) -> dict[int, SeqOutput]:
         return self.runner.execute(plan)
+
+    def stage_busy_s(self) -> list[float]:
+        return [self.busy_s]
 
     def shutdown(self, graceful: bool = True) -> None:
         pass
@@ -96,12 +110,18 @@ class LLMEngine:
             # The stages share this machine's cores: each gets its share (more threads than cores, and the
             # threaded kernels wait on each other's busy cores).
             threads = max(1, torch.get_num_threads() // self.topology.num_stages)
-            if config.device == "cpu":
-                cpu_kernels.limit_threads(threads)  # this process runs stage 0
+            if config.device == "cpu":  # this process runs stage 0 (until shutdown)
+                self._threads_before = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                cpu_kernels.limit_threads(threads)
             spec = LaunchSpec(
                 config, cfg, self.topology, str(self.dtype).removeprefix("torch."), self.max_model_len, threads
             )
-            self.executor = PipelineDriver(spec, progress)
+            try:
+                self.executor = PipelineDriver(spec, progress)
+            except BaseException:
+                self._restore_threads()
+                raise
         for info in self.executor.infos:
             m = info.memory
             by_feature = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(m.by_feature().items()))
@@ -112,6 +132,9 @@ class LLMEngine:
             )  # fmt: skip
         logger.debug("memory ledger:\n%s", format_table(self.memory_ledger()))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        # Micro-batches launched and not yet updated, oldest first: one per stage with pipeline overlap.
+        self.micro_batches = config.micro_batches if self.topology.num_stages > 1 else 1
+        self._in_flight: deque[ScheduledBatch] = deque()
         spec = config.speculative_config
         # Where the proposer lives: the n-gram lookup needs no model and runs here, on the first stage, in the
         # scheduler's update; the MTP layer and a draft model run on the last stage, after verification, and
@@ -127,8 +150,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-        if self.topology.num_stages > 1:
+        self._restore_threads()
+
+    def _restore_threads(self) -> None:
+        # This process's threads as they were before it became stage 0 of a pipeline.
+        if self.topology.num_stages > 1 and self.config.device == "cpu":
             cpu_kernels.limit_threads(None)
+            torch.set_num_threads(self._threads_before)
 
     # --- requests -------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -164,17 +192,26 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._in_flight)
 
     # --- the step -------------------------------------------------------------------------------------
     def step(self) -> list[SeqUpdate]:
         """One engine step: schedule -> execute -> update. Returns what every request sampled in it gained
         (its new tokens, each once, with logprobs), finished requests included with their finish reason."""
-        batch = self.scheduler.schedule()
-        if batch is None:
+        # Schedule: up to one micro-batch per stage in flight, each of requests in no other one (a request's
+        # next step is scheduled once its tokens are back), each a share of the running requests so that the
+        # first does not take them all. Execute: launch them; wait for the oldest. Update: its bookkeeping.
+        while len(self._in_flight) < self.micro_batches:
+            busy = {s.seq.seq_id for b in self._in_flight for s in b.seqs}
+            batch = self.scheduler.schedule(busy, parts=self.micro_batches)
+            if batch is None:
+                break
+            self.executor.launch(StepPlan.from_batch(batch))
+            self._in_flight.append(batch)
+        if not self._in_flight:
             return []
-        outputs = self.executor.execute(StepPlan.from_batch(batch))
-        return self._update(batch, outputs)
+        batch = self._in_flight.popleft()
+        return self._update(batch, self.executor.collect())
 
     def _update(self, batch: ScheduledBatch, outputs: dict[int, SeqOutput]) -> list[SeqUpdate]:
         now = time.perf_counter()

@@ -1,10 +1,12 @@
-"""Pipeline parallelism: stage processes, point-to-point messages between them, and their launch.
+"""Pipeline parallelism: stage processes, the step's messages between them, and their launch.
 
-Stage 0 lives in the user's process and owns the scheduler and tokenizer. Each step it sends the StepPlan
-to every other stage, runs its own layers and sends the residual streams to stage 1; stage i receives
-streams from stage i-1 and sends its own to i+1; the last stage samples and sends the tokens back to
-stage 0. Messages go over a torch.distributed process group of the engine's own (gloo; streams over nccl
-on CUDA), built from a TCP store, so two engines in one process or on one machine never share state.
+Stage 0 lives in the user's process and owns the scheduler and tokenizer. To launch a micro-batch it posts
+the StepPlan to every other stage, runs its own layers and posts the residual streams to stage 1; stage i
+takes the streams from stage i-1 and posts its own to i+1; the last stage samples and posts the tokens back
+to stage 0. With overlap up to N micro-batches (disjoint sets of requests) are in flight at once, and every
+stage works on one while its inbox thread receives the next (engine/channel.py): nothing a stage sends or
+receives waits on its compute. Messages go over a process group of the engine's own, built from a TCP store,
+so two engines in one process or on one machine never share state.
 
 Launch: on one machine the driver starts a TCP store on a free port and spawns the other stages as
 processes running this module's main(); under `torchrun` every rank runs the same program and rendezvous
@@ -16,9 +18,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import logging
 import os
 import pickle
+import queue
 import subprocess
 import sys
 import threading
@@ -31,13 +35,13 @@ import torch
 import torch.distributed as dist
 
 from leanserve.config import EngineConfig, ModelConfig
+from leanserve.engine.channel import Channel, Inbox
 from leanserve.engine.runner import IntermediateStreams, SeqOutput, StageInfo, StageRunner, StepPlan
 from leanserve.engine.topology import PipelineTopology
 from leanserve.errors import StageFailure
 
 logger = logging.getLogger("leanserve")
 
-_OBJ_TAG, _DATA_TAG = 1, 2
 # An idle server may wait a long time for its next step; the process group must not time out meanwhile.
 _OP_TIMEOUT = datetime.timedelta(days=3650)
 _START_TIMEOUT_S = 300.0  # for every stage process to start and reach the rendezvous
@@ -67,6 +71,14 @@ class Stop:
     pass
 
 
+@dataclass(frozen=True)
+class Report:
+    """Asks every stage for the seconds it has spent computing so far (answered through the store, under
+    `key`/<rank>, once the stage has finished every micro-batch launched before it)."""
+
+    key: str
+
+
 def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
 
@@ -77,44 +89,6 @@ def stage_device(device: str, stage: int) -> str:
         return device
     local = int(os.environ.get("LOCAL_RANK", stage))
     return f"cuda:{local % max(torch.cuda.device_count(), 1)}"
-
-
-class Channel:
-    """Point-to-point messages on a process group: pickled control objects, and stream tensors."""
-
-    def __init__(self, store: dist.Store, rank: int, world: int, device: str) -> None:
-        self.rank, self.world = rank, world
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("leanserve/gloo", store), rank, world, _OP_TIMEOUT)
-        self.data_pg = self.pg
-        if device.startswith("cuda"):  # pragma: no cover - needs GPUs
-            self.data_pg = dist.ProcessGroupNCCL(dist.PrefixStore("leanserve/nccl", store), rank, world)
-
-    def send_obj(self, obj: object, *dsts: int) -> None:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        for dst in dsts:
-            self.pg.send([size], dst, _OBJ_TAG).wait()
-            self.pg.send([payload], dst, _OBJ_TAG).wait()
-
-    def recv_obj(self, src: int) -> object:
-        size = torch.empty(1, dtype=torch.int64)
-        self.pg.recv([size], src, _OBJ_TAG).wait()
-        payload = torch.empty(int(size), dtype=torch.uint8)
-        self.pg.recv([payload], src, _OBJ_TAG).wait()
-        return pickle.loads(payload.numpy().tobytes())
-
-    def send_streams(self, out: IntermediateStreams, dst: int) -> None:
-        self.data_pg.send([_as_bytes(out.streams.contiguous())], dst, _DATA_TAG).wait()
-
-    def recv_streams(self, into: torch.Tensor, src: int) -> IntermediateStreams:
-        """Receives a step's streams into `into` (the stage's staging buffer, sized to the step)."""
-        self.data_pg.recv([_as_bytes(into)], src, _DATA_TAG).wait()
-        return IntermediateStreams(into)
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    # Gloo moves bytes; viewing as uint8 lets any dtype (bf16 included) travel unchanged.
-    return t if t.is_cuda else t.view(torch.uint8)
 
 
 # --- the driver (stage 0) -----------------------------------------------------------------------------
@@ -146,7 +120,7 @@ class PipelineDriver:
         try:
             self._wait_for_stages(store)
             device = stage_device(spec.config.device, 0)
-            self.channel = Channel(store, 0, n, device)
+            self.channel = Channel(store, 0, n, device, _OP_TIMEOUT)
             self.runner = StageRunner(
                 spec.model_config, spec.config, self.topology.layout(0), getattr(torch, spec.dtype),
                 spec.max_model_len, progress=progress, device=device,
@@ -157,6 +131,12 @@ class PipelineDriver:
             self.shutdown(graceful=False)
             raise
         self.store = store  # the TCP store (on stage 0, its server) lives as long as the engine
+        # The last stage's tokens, received as they come, in launch order.
+        last = n - 1
+        self.inbox = Inbox(lambda: self.channel.recv_obj(last), lambda m: False, "leanserve stage 0 inbox")
+        self.in_flight = 0
+        self.busy_s = 0.0  # seconds stage 0 has spent computing
+        self._reports = 0
 
     def _spawn(self, port: int) -> None:
         for rank in range(1, self.num_stages):
@@ -185,27 +165,34 @@ class PipelineDriver:
                 time.sleep(0.01)
 
     def _expect_info(self, rank: int) -> StageInfo:
-        msg = self._recv(rank)
+        try:
+            msg = self.channel.recv_obj(rank)
+        except RuntimeError as e:
+            raise self._failed(rank, e) from None
         if isinstance(msg, StageError):
             raise StageFailure(f"pipeline stage {msg.stage} failed to start: {msg.message}")
         assert isinstance(msg, StageInfo)
         return msg
 
     # --- the step -----------------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> dict[int, SeqOutput]:
+    def launch(self, plan: StepPlan) -> None:
+        """Starts a micro-batch: posts the plan to every stage, runs stage 0's layers, posts the streams to
+        stage 1, and returns without waiting for the other stages (`collect` returns its tokens)."""
         if self.dead:
             raise StageFailure(self.dead)
         try:
             try:
-                self.channel.send_obj(plan, *range(1, self.num_stages))
+                self.channel.post_obj(plan, *range(1, self.num_stages))
             except RuntimeError as e:
                 raise self._failed(1, e) from None
+            start = time.perf_counter()
             out = self.runner.execute(plan)
+            self.busy_s += time.perf_counter() - start
             try:
-                self.channel.send_streams(out, 1)
+                self.channel.post_streams(out.streams, 1)
             except RuntimeError as e:
                 raise self._failed(1, e) from None
-            return self._recv(self.num_stages - 1)
+            self.in_flight += 1
         except StageFailure:
             raise
         except BaseException as e:
@@ -215,11 +202,38 @@ class PipelineDriver:
             self.shutdown(graceful=False)
             raise
 
-    def _recv(self, rank: int):
+    def collect(self) -> dict[int, SeqOutput]:
+        """The tokens of the oldest micro-batch in flight (waits for them)."""
+        if self.dead:
+            raise StageFailure(self.dead)
         try:
-            return self.channel.recv_obj(rank)
+            out = self.inbox.get()
         except RuntimeError as e:
-            raise self._failed(rank, e) from None
+            raise self._failed(self.num_stages - 1, e) from None
+        except BaseException as e:  # interrupted while waiting: the pipeline is out of step
+            self.dead = f"pipeline stage 0 stopped mid-step ({type(e).__name__}: {e}); the engine has stopped."
+            self.shutdown(graceful=False)
+            raise
+        self.in_flight -= 1
+        return out
+
+    def execute(self, plan: StepPlan) -> dict[int, SeqOutput]:
+        """One step with nothing else in flight: launch, then collect."""
+        self.launch(plan)
+        return self.collect()
+
+    def stage_busy_s(self) -> list[float]:
+        """Seconds each stage has spent computing so far, first to last (the others' once they have finished
+        every micro-batch launched before this call)."""
+        if self.dead:
+            raise StageFailure(self.dead)
+        self._reports += 1
+        key = f"leanserve/busy/{self._reports}"
+        try:
+            self.channel.post_obj(Report(key), *range(1, self.num_stages))
+        except RuntimeError as e:
+            raise self._failed(1, e) from None
+        return [self.busy_s] + [float(self.store.get(f"{key}/{r}")) for r in range(1, self.num_stages)]
 
     def _failed(self, peer: int, error: Exception) -> StageFailure:
         """Names the stage that died (the first whose exit was not caused by another's), stops the rest."""
@@ -242,6 +256,8 @@ class PipelineDriver:
                 self.channel.send_obj(Stop(), *range(1, self.num_stages))
         _terminate(list(self.procs.values()), wait_s=10.0 if graceful else 0.0)
         self._finalizer.detach()
+        if hasattr(self, "inbox"):  # its receive fails once the last stage has gone
+            self.inbox.join(timeout=5.0)
 
 
 def _terminate(procs: list[subprocess.Popen], wait_s: float = 0.0) -> None:
@@ -276,7 +292,7 @@ def run_stage(store: dist.Store, rank: int, world: int) -> int:
     torch.set_num_threads(spec.num_threads)
     device = stage_device(spec.config.device, rank)
     store.set(f"leanserve/hello/{rank}", str(os.getpid()))
-    channel = Channel(store, rank, world, device)
+    channel = Channel(store, rank, world, device, _OP_TIMEOUT)
     layout = spec.topology.layout(rank)
     try:
         runner = StageRunner(
@@ -287,18 +303,41 @@ def run_stage(store: dist.Store, rank: int, world: int) -> int:
     except Exception as e:
         channel.send_obj(StageError(rank, f"{type(e).__name__}: {e}"), 0)
         return 1
+    # The inbox thread receives the next plan and its streams while this one computes, into one of the
+    # receive buffers (one per micro-batch in flight), and waits for a free buffer when it is that far ahead.
+    free: queue.Queue[int] = queue.Queue()
+    for i in range(spec.config.micro_batches):
+        free.put(i)
+
+    def receive():
+        plan = channel.recv_obj(0)
+        if isinstance(plan, Stop | Report):
+            return plan
+        i = free.get()
+        return plan, i, channel.recv_streams(runner.streams_buffer(i, plan.num_tokens), rank - 1)
+
     try:
         channel.send_obj(runner.info(), 0)
+        inbox = Inbox(receive, lambda m: isinstance(m, Stop), f"leanserve stage {rank} inbox")
+        busy = 0.0
         while True:
-            plan = channel.recv_obj(0)
-            if isinstance(plan, Stop):
+            msg = inbox.get()
+            if isinstance(msg, Stop):
                 return 0
-            received = channel.recv_streams(runner.streams_buffer(plan.num_tokens), rank - 1)
-            out = runner.execute(plan, received)
+            if isinstance(msg, Report):
+                store.set(f"{msg.key}/{rank}", json.dumps(busy))
+                continue
+            plan, i, streams = msg
+            start = time.perf_counter()
+            out = runner.execute(plan, IntermediateStreams(streams))
+            busy += time.perf_counter() - start
+            if not layout.is_last and out.streams.untyped_storage().data_ptr() == streams.untyped_storage().data_ptr():
+                out = IntermediateStreams(out.streams.clone())  # (the buffer is about to take the next step's)
+            free.put(i)
             if layout.is_last:
-                channel.send_obj(out, 0)
+                channel.post_obj(out, 0)
             else:
-                channel.send_streams(out, rank + 1)
+                channel.post_streams(out.streams, rank + 1)
     except RuntimeError as e:
         if "Connection closed" in str(e) or "Socket" in str(e) or "Connection reset" in str(e):
             print(f"leanserve: pipeline stage {rank}: another stage went away; stopping.", file=sys.stderr)

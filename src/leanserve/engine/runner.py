@@ -117,11 +117,11 @@ class StageRunner:
         self.target_hidden = (
             ledger.empty("target_hidden_states", "model", SPEC_MTP, (tokens, cfg.hc_dim), act) if uses_mtp else None
         )
-        # A non-first stage receives the previous stage's streams here, at a stable address.
+        # A non-first stage receives the previous stage's streams here, at stable addresses: one buffer per
+        # micro-batch in flight (overlap receives the next one while this stage computes the current one).
+        shape = (config.micro_batches, tokens, cfg.hc_mult, cfg.hidden_size)
         self.recv_streams = (
-            None
-            if layout.is_first
-            else ledger.empty("pp_recv_streams", "pipeline", PIPELINE, (tokens, cfg.hc_mult, cfg.hidden_size), act)
+            None if layout.is_first else ledger.empty("pp_recv_streams", "pipeline", PIPELINE, shape, act)
         )
         self.sampler = Sampler() if layout.is_last else None
         self.proposer = None
@@ -195,11 +195,11 @@ class StageRunner:
                     draft.caches,
                 )
 
-    def streams_buffer(self, num_tokens: int) -> torch.Tensor:
-        """Where the previous stage's streams for a step of `num_tokens` tokens are received."""
-        if num_tokens > self.recv_streams.shape[0]:
+    def streams_buffer(self, index: int, num_tokens: int) -> torch.Tensor:
+        """Receive buffer `index` (one per micro-batch in flight), sized to a step of `num_tokens` tokens."""
+        if num_tokens > self.recv_streams.shape[1]:
             raise RuntimeError(f"a step of {num_tokens} tokens exceeds max_num_batched_tokens")
-        return self.recv_streams[:num_tokens]
+        return self.recv_streams[index, :num_tokens]
 
     @torch.inference_mode()
     def execute(

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Set
 from dataclasses import dataclass
 
 from leanserve.engine.proposers import ProposeItem, Proposer
@@ -123,15 +124,23 @@ class Scheduler:
         self._finish(seq, "abort")
         return seq
 
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, busy: Set[int] = frozenset(), parts: int = 1) -> ScheduledBatch | None:
+        """The next step's batch. With pipeline micro-batches: `busy`, the requests in micro-batches still in
+        flight, are left out, and the batch takes at most 1/parts of the requests there are to serve (running
+        ones and those a free slot can admit), so that the running requests spread over `parts` batches."""
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
-        # A running sequence mid-prefill is always the last one admitted (it only stops short of its
+        most = self.max_num_seqs
+        if parts > 1:
+            serving = len(self._running) + min(len(self._waiting), self.slots.num_free)
+            most = min(most, max(1, -(-serving // parts)))
+        # A running sequence mid-prefill is always among the last admitted (it only stops short of its
         # prompt end when the budget ran out), so decodes are never starved behind a long prefill.
         for seq in self._running:
-            if budget == 0 or len(out) == self.max_num_seqs:
+            if budget == 0 or len(out) == most:
                 break
-            budget -= self._take(seq, budget, out)
+            if seq.seq_id not in busy:
+                budget -= self._take(seq, budget, out)
         # Drafts only from what is left once every running sequence has its token, so they never starve one.
         for i, s in enumerate(out):
             if budget == 0:
@@ -140,7 +149,7 @@ class Scheduler:
             if extra:
                 out[i] = dataclasses.replace(s, draft_token_ids=extra)
                 budget -= len(extra)
-        while self._waiting and self.slots.num_free > 0 and len(out) < self.max_num_seqs and budget > 0:
+        while self._waiting and self.slots.num_free > 0 and len(out) < most and budget > 0:
             seq = self._waiting.popleft()
             seq.slot = self.slots.allocate()
             seq.status = SequenceStatus.RUNNING

@@ -1,0 +1,103 @@
+"""`leanserve bench pp`: output tokens/s of one stage, of N stages one step at a time, and of N stages with
+N micro-batches in flight, at each concurrency, side by side in one run, with each stage's busy fraction.
+
+Every arm is one engine, loaded once and warmed up on the workload before it is timed. A round submits
+`concurrency` requests at once (held-out code prompts, greedy, `max_tokens` each, eos ignored) and waits for
+all of them; the median of `repeats` rounds is reported. A stage's busy fraction is the time it spent
+computing in a round over the round's wall time (stage 0's includes none of its scheduling): with N stages
+one step at a time they add up to at most 1; overlap is what lets each approach 1. The greedy tokens of
+every arm are compared with one stage's as a check that the work is the same.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+ARMS = ("pp1", "serial", "overlap")
+
+
+@dataclass
+class PPRow:
+    concurrency: int
+    pp1_tok_s: float
+    serial_tok_s: float  # N stages, one step at a time (--no-pipeline-overlap)
+    overlap_tok_s: float  # N stages, N micro-batches in flight
+    overlap_vs_pp1: float
+    overlap_vs_serial: float
+    serial_busy: str  # each stage's busy fraction, first to last
+    overlap_busy: str
+    same_tokens: bool
+
+
+PP_HEADERS = {
+    "concurrency": "concurrent",
+    "pp1_tok_s": "PP=1 tok/s",
+    "serial_tok_s": "PP=N serial tok/s",
+    "overlap_tok_s": "PP=N overlap tok/s",
+    "overlap_vs_pp1": "overlap/PP=1",
+    "overlap_vs_serial": "overlap/serial",
+    "serial_busy": "serial busy",
+    "overlap_busy": "overlap busy",
+    "same_tokens": "same tokens",
+}
+
+
+def pp_bench(
+    model: str,
+    concurrency: list[int],
+    stages: int = 2,
+    max_tokens: int = 64,
+    prompt_len: int = 32,
+    repeats: int = 3,
+    dtype: str = "float32",
+) -> list[PPRow]:
+    from leanserve import LLM, SamplingParams
+    from leanserve.bench.common import code_prompts
+
+    if stages < 2:
+        raise ValueError(f"--stages must be at least 2, got {stages}.")
+    most = max(concurrency)
+    common = dict(dtype=dtype, max_num_seqs=most, max_model_len=prompt_len + max_tokens + 8, load_progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    arms = {"pp1": {}, "serial": dict(pipeline_parallel_size=stages, pipeline_overlap=False)}
+    arms["overlap"] = dict(pipeline_parallel_size=stages)
+    # results[arm][concurrency] = (median tok/s, busy fractions of the median round, token ids)
+    results: dict[str, dict[int, tuple[float, list[float], list]]] = {}
+    for arm, kwargs in arms.items():  # one engine at a time: each arm has the machine's cores to itself
+        with LLM(model, **common, **kwargs) as llm:
+            prompts = [{"prompt_token_ids": p} for p in code_prompts(llm.engine.tokenizer, most, prompt_len)]
+            results[arm] = {}
+            for c in concurrency:
+                llm.generate(prompts[:c], params)  # warm-up at this batch shape
+                rounds = []
+                for _ in range(repeats):
+                    rounds.append(_round(llm, prompts[:c], params))
+                rounds.sort(key=lambda r: r[0])
+                tok_s, busy, tokens = rounds[len(rounds) // 2]
+                results[arm][c] = (tok_s, busy, tokens)
+    rows = []
+    for c in concurrency:
+        (one, _, want), (ser, ser_busy, a), (ovl, ovl_busy, b) = (results[arm][c] for arm in ARMS)
+        rows.append(
+            PPRow(
+                c, round(one, 1), round(ser, 1), round(ovl, 1), round(ovl / one, 2), round(ovl / ser, 2),
+                _fractions(ser_busy), _fractions(ovl_busy), a == want and b == want,
+            )
+        )  # fmt: skip
+    return rows
+
+
+def _round(llm, prompts: list[dict], params) -> tuple[float, list[float], list]:
+    executor = llm.engine.executor
+    before = executor.stage_busy_s()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - start
+    busy = [(b - a) / wall for a, b in zip(before, executor.stage_busy_s(), strict=True)]
+    tokens = [o.outputs[0].token_ids for o in outs]
+    return sum(len(t) for t in tokens) / wall, busy, tokens
+
+
+def _fractions(busy: list[float]) -> str:
+    return "/".join(f"{b:.2f}" for b in busy)
