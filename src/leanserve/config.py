@@ -446,6 +446,12 @@ class SpeculativeConfig:
         return self.method == "mtp"
 
 
+def micro_batch_tokens(max_num_batched_tokens: int, micro_batches: int) -> int:
+    """Micro-batches in flight share max_num_batched_tokens, so overlap keeps as many tokens in flight (and
+    buffers for as many) as one step at a time does."""
+    return max(1, max_num_batched_tokens // micro_batches)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -490,6 +496,11 @@ class EngineConfig:
     def micro_batches(self) -> int:
         """Steps in flight at once: one per stage with overlap, else one."""
         return self.pipeline_parallel_size if self.pipeline_overlap else 1
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """The token budget of one micro-batch (micro_batch_tokens)."""
+        return micro_batch_tokens(self.max_num_batched_tokens, self.micro_batches)
 
     def resolved_max_model_len(self, cfg: ModelConfig) -> int:
         if self.max_model_len is None:

@@ -119,7 +119,7 @@ class StageRunner:
         )
         # A non-first stage receives the previous stage's streams here, at stable addresses: one buffer per
         # micro-batch in flight (overlap receives the next one while this stage computes the current one).
-        shape = (config.micro_batches, tokens, cfg.hc_mult, cfg.hidden_size)
+        shape = (config.micro_batches, config.micro_batch_tokens, cfg.hc_mult, cfg.hidden_size)
         self.recv_streams = (
             None if layout.is_first else ledger.empty("pp_recv_streams", "pipeline", PIPELINE, shape, act)
         )

@@ -5,6 +5,7 @@ from collections import deque
 from collections.abc import Set
 from dataclasses import dataclass
 
+from leanserve.config import micro_batch_tokens
 from leanserve.engine.proposers import ProposeItem, Proposer
 from leanserve.engine.sequence import SampledToken, SeqOutput, Sequence, SequenceStatus
 from leanserve.engine.slots import CacheSlots
@@ -127,8 +128,9 @@ class Scheduler:
     def schedule(self, busy: Set[int] = frozenset(), parts: int = 1) -> ScheduledBatch | None:
         """The next step's batch. With pipeline micro-batches: `busy`, the requests in micro-batches still in
         flight, are left out, and the batch takes at most 1/parts of the requests there are to serve (running
-        ones and those a free slot can admit), so that the running requests spread over `parts` batches."""
-        budget = self.max_num_batched_tokens
+        ones and those a free slot can admit), so that the running requests spread over `parts` batches, and
+        a 1/parts share of max_num_batched_tokens."""
+        budget = total = micro_batch_tokens(self.max_num_batched_tokens, parts)
         out: list[ScheduledSeq] = []
         most = self.max_num_seqs
         if parts > 1:
@@ -157,7 +159,7 @@ class Scheduler:
             budget -= self._take(seq, budget, out)
         if not out:
             return None
-        return ScheduledBatch(seqs=tuple(out), num_tokens=self.max_num_batched_tokens - budget)
+        return ScheduledBatch(seqs=tuple(out), num_tokens=total - budget)
 
     def update(
         self, batch: ScheduledBatch, outputs: dict[int, SeqOutput], proposer: Proposer | None = None
