@@ -84,8 +84,8 @@ class TorchBackend:
         return model.blocks_torch(fb, caches, ropes, streams)
 
     def run_mtp(self, model, streams, fb, caches) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP layer over a step (fb: the t+1 tokens), from the embedding on: (the head's input [T, hidden],
-        its output streams [T, hc, hidden])."""
+        """The MTP layer over a step (fb: the t+1 tokens), from the embedding on: (the head's input at the rows
+        fb.logits_index [T', hidden], its output streams [T, hc, hidden])."""
         return model.mtp_torch(streams, fb, caches)
 
 

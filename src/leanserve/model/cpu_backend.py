@@ -284,7 +284,8 @@ class CpuBackend(TorchBackend):
         embed = self.kept_views(model.embed, model.embed.table)
         rotary = model.rotary_main
         angles = {"main": self.kept_views(rotary, rotary.pairs)[fb.positions.numpy()]}  # (sliding attention)
-        hidden, out = decode.run_mtp(w, plan, embed, streams.numpy(), decode.Step(fb, angles))
+        rows = None if fb.logits_index is None else fb.logits_index.numpy()
+        hidden, out = decode.run_mtp(w, plan, embed, streams.numpy(), decode.Step(fb, angles), rows)
         return torch.from_numpy(hidden), torch.from_numpy(out)
 
 

@@ -206,11 +206,11 @@ def embedded(embed: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return rows if rows.dtype == np.float32 else (rows.astype(np.uint32) << 16).view(np.float32)
 
 
-def run_mtp(w, plan: Plan, embed: np.ndarray, streams: np.ndarray, step: Step) -> tuple[np.ndarray, np.ndarray]:
+def run_mtp(w, plan: Plan, embed: np.ndarray, streams: np.ndarray, step: Step, rows) -> tuple[np.ndarray, np.ndarray]:
     """The MTP layer over a step from the embedding of its tokens (w the MTPWeights views, plan its block's):
-    (the shared head's input [T, hidden], the block's output streams [T, hc, hidden])."""
+    (the shared head's input at `rows` (None: all) [T', hidden], the block's output streams [T, hc, hidden])."""
     out = block_arrays(plan, mtp_inputs(w, streams, embedded(embed, step.ids)), step)
-    return hc_pre_arrays(out, w.head)[0], out
+    return hc_pre_arrays(out if rows is None else out[rows], w.head)[0], out
 
 
 def mtp_inputs(w, streams: np.ndarray, embedded: np.ndarray) -> np.ndarray:
