@@ -6,7 +6,8 @@ Wrapping each kernel in torch tensors (an output tensor, its numpy view, the inp
 each, dozens per layer) costs more than the arithmetic at batch 1. Here each block's weights (its typed
 `BlockWeights`, as numpy views) and its caches' views are made once and kept in a `Plan`, the step's metadata is
 converted once for all layers (`Step`), and intermediate outputs are plain numpy arrays. The MTP layer's step runs
-the same way (its input projections, its block, its hc_head and norm); the head stays a torch call.
+the same way from its tokens' embedding rows (`run_mtp`: its input projections, its block, its hc_head and norm on
+the wanted rows); the head stays a torch call.
 tests/test_kernels.py checks this path against the torch backend.
 """
 
