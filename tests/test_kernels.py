@@ -417,6 +417,38 @@ def test_decode_steps_take_the_cpu_fast_path(spec, decode_calls):
         assert calls["blocks"] >= 3 and calls["mtp"] >= 3
 
 
+def test_mtp_drafts_take_the_cpu_fast_path(monkeypatch, decode_calls):
+    # The MTP layer's decode-sized steps (catch-up after a step, each draft) run whole as numpy arrays from the
+    # token ids, never its torch statement (torch embedding, RoPE tables, one op at a time), and greedy drafts are
+    # the logits' argmax with no sampler call: if either came back (same tokens, the draft step dearer), this fails.
+    from leanserve import LLM, SamplingParams
+    from leanserve.engine.sampler import STREAM_DRAFT, Sampler
+    from leanserve.model.deepseek_v4 import DeepseekV4
+
+    calls = decode_calls
+    llm = LLM("models/dsv4-stdlib-8m", dtype="bfloat16", max_model_len=64, load_progress=False,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})  # fmt: skip
+    slow = {"mtp_torch": [], "draft_samples": 0}
+    mtp_torch, sample = DeepseekV4.mtp_torch, Sampler.sample
+
+    def counted_mtp_torch(self, streams, fb, caches):
+        slow["mtp_torch"].append(fb.num_tokens)
+        return mtp_torch(self, streams, fb, caches)
+
+    def counted_sample(self, *args, stream=0, **kw):
+        slow["draft_samples"] += stream == STREAM_DRAFT
+        return sample(self, *args, stream=stream, **kw)
+
+    monkeypatch.setattr(DeepseekV4, "mtp_torch", counted_mtp_torch)
+    monkeypatch.setattr(Sampler, "sample", counted_sample)
+    calls.update(blocks=0, mtp=0)  # (the warm-up's)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": list(range(3, 13))}], params)
+    assert len(out.outputs[0].token_ids) == 8
+    assert calls["mtp"] >= 4  # (a catch-up and a second draft after the prefill, and after a step at least)
+    assert slow == {"mtp_torch": [10], "draft_samples": 0}  # (torch: only the prompt's catch-up, a prefill)
+
+
 def test_threaded_kernels_match_one_thread():
     # Each task of a threaded kernel writes only its own outputs (no races, no shared sums), at a batch large
     # enough to take the threaded builds (decode of 20 sequences, MoE over 40 token-expert pairs, attention over

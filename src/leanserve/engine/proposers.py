@@ -82,18 +82,20 @@ class ModelProposer(Proposer):
                 wanted = [wanted[i] for i in keep]
                 state, logits = self.next(wanted, [drafts[it.seq_id][-1] for it in wanted], j, state, keep)
             params = [it.params for it in wanted]
-            sampled = not all(_is_greedy(p) for p in params)  # greedy drafts are checked without q
-            tokens, q = self.sampler.sample(
-                logits,
-                params,
-                torch.tensor([seeds[it.seq_id] for it in wanted], dtype=torch.long),
-                torch.tensor([it.step + j for it in wanted], dtype=torch.long),
-                stream=STREAM_DRAFT,
-                want_probs=sampled,
-            )
-            if sampled:
+            if all(_is_greedy(p) for p in params):  # greedy drafts: the argmax (what the sampler takes), no q
+                tokens = logits.argmax(dim=-1).tolist()
+            else:
+                sampled, q = self.sampler.sample(
+                    logits,
+                    params,
+                    torch.tensor([seeds[it.seq_id] for it in wanted], dtype=torch.long),
+                    torch.tensor([it.step + j for it in wanted], dtype=torch.long),
+                    stream=STREAM_DRAFT,
+                    want_probs=True,
+                )
                 self.draft_probs[torch.tensor([it.slot for it in wanted], dtype=torch.long), j] = q
-            for it, t in zip(wanted, tokens.tolist(), strict=True):
+                tokens = sampled.tolist()
+            for it, t in zip(wanted, tokens, strict=True):
                 drafts[it.seq_id].append(t)
         return {seq_id: tuple(d) for seq_id, d in drafts.items()}
 
@@ -133,14 +135,15 @@ class MTPProposer(ModelProposer):
             streams = self.target_hidden[torch.tensor(rows, device=self.device)]
         streams = streams.view(-1, cfg.hc_mult, cfg.hidden_size)
         logits, out = self.model.mtp_forward(streams, fb, self.caches)
-        return out[logits_index], logits
+        return (out, logits_index), logits  # (the next draft's streams: out's rows of `wanted`, gathered if needed)
 
     def next(self, wanted, tokens, j, state, keep):
         # Draft j+1 from the MTP layer's own output streams at the previous position and draft j's embedding.
         chunks = [Chunk(it.slot, it.start + len(it.known) - 2 + j, (t,)) for it, t in zip(wanted, tokens, strict=True)]
         fb = build_forward_batch(chunks, self.geometry, logits_index=list(range(len(chunks))), device=self.device)
-        logits, out = self.model.mtp_forward(state[keep], fb, self.caches)
-        return out, logits
+        out, rows = state
+        logits, out = self.model.mtp_forward(out[[rows[i] for i in keep]], fb, self.caches)
+        return (out, list(range(len(chunks)))), logits
 
 
 class DraftModelProposer(ModelProposer):

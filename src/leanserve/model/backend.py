@@ -83,9 +83,10 @@ class TorchBackend:
         """The stage's blocks over a step (embedding first on the first stage): the output streams."""
         return model.blocks_torch(fb, caches, ropes, streams)
 
-    def run_mtp(self, mtp, streams, embedded, fb, cache, ropes) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP layer: (the head's input [T, hidden], its output streams [T, hc, hidden])."""
-        return mtp.forward_torch(streams, embedded, fb, cache, ropes)
+    def run_mtp(self, model, streams, fb, caches) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over a step (fb: the t+1 tokens), from the embedding on: (the head's input at the rows
+        fb.logits_index [T', hidden], its output streams [T, hc, hidden])."""
+        return model.mtp_torch(streams, fb, caches)
 
 
 TORCH = TorchBackend()

@@ -110,14 +110,16 @@ def build_forward_batch(
     chunks: list[Chunk], geo: CacheGeometry, logits_index: list[int] | None = None, device: str | torch.device = "cpu"
 ) -> ForwardBatch:
     # Index math in numpy (a fraction of torch's per-op cost on these small arrays), tensors at the end.
-    lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+    sizes = [len(c.token_ids) for c in chunks]
+    lens = np.array(sizes, dtype=np.int64)
     starts = np.array([c.start for c in chunks], dtype=np.int64)
     slots = np.array([c.slot for c in chunks], dtype=np.int64)
     input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
     logits = None if logits_index is None else torch.tensor(logits_index, dtype=torch.long)
-    if _short_kernels is not None and cpu_kernels.available() and _all_short(lens, geo):
+    on_cpu = device == "cpu" or torch.device(device).type == "cpu"
+    if _short_kernels is not None and cpu_kernels.available() and _all_short(sizes, geo):
         fb = _short_batch(slots, starts, lens, input_ids, logits, geo)
-        return fb if torch.device(device).type == "cpu" else _to(fb, device)
+        return fb if on_cpu else _to(fb, device)
     offsets = np.cumsum(lens) - lens  # flat index of each chunk's first token
     total = int(lens.sum())
     seq_of_token = np.repeat(np.arange(len(chunks)), lens)
@@ -143,7 +145,7 @@ def build_forward_batch(
             for kind, (ratio, ring_b, rows) in geo.compress.items()
         },
     )
-    return fb if torch.device(device).type == "cpu" else _to(fb, device)
+    return fb if on_cpu else _to(fb, device)
 
 
 @dataclass
@@ -244,9 +246,10 @@ def _compress(tok: _Layout, ratio: int, ring: int, max_rows: int, num_slots: int
 # When every chunk writes its rows into the rings first (write_first for the window and every compressed
 # kind), the metadata above reduces to a few loops per chunk: compiled, they cost a fraction of the ~70 numpy
 # calls of the general path, which stays the reference (tests/test_batch.py compares the two).
-def _all_short(lens: np.ndarray, geo: CacheGeometry) -> bool:
-    most = int(lens.max())
-    if lens.min() < 1 or most > geo.window_ring - geo.window + 1:
+def _all_short(sizes: list[int], geo: CacheGeometry) -> bool:
+    # (plain Python: on a few chunks, numpy's reductions cost more than the loop)
+    most = max(sizes)
+    if min(sizes) < 1 or most > geo.window_ring - geo.window + 1:
         return False
     return all(most <= ring - (2 * r if kind == CSA else r) + 1 for kind, (r, ring, _) in geo.compress.items())
 
@@ -329,15 +332,17 @@ def _short_batch(slots, starts, lens, input_ids, logits_index, geo: CacheGeometr
     positions, q_rows, q_valid, q_pos, key_index, key_mask, visible, ring_dst = group_fn(
         slots, starts, lens, geo.window, geo.window_ring, ratios
     )
+    # (the kernels' outputs are new C-contiguous arrays: wrapped as they are)
+    t = torch.from_numpy
     every = torch.arange(positions.shape[0])  # every token's row is written (chunks are shorter than rings)
     group = AttnGroup(
-        q_rows=_t(q_rows),
-        q_valid=_t(q_valid),
-        q_pos=_t(q_pos),
-        block_slot=_t(slots),
-        key_index=_t(key_index),
-        key_mask=_t(key_mask),
-        visible={k: _t(visible[i]) for i, k in enumerate(kinds)},
+        q_rows=t(q_rows),
+        q_valid=t(q_valid),
+        q_pos=t(q_pos),
+        block_slot=t(slots),
+        key_index=t(key_index),
+        key_mask=t(key_mask),
+        visible={k: t(visible[i]) for i, k in enumerate(kinds)},
         max_visible={k: int(visible[i].max()) for i, k in enumerate(kinds)},
         is_identity=q_rows.shape[1] == 1,
     )
@@ -346,14 +351,14 @@ def _short_batch(slots, starts, lens, input_ids, logits_index, geo: CacheGeometr
         ratio, ring, max_rows = geo.compress[kind]
         src, src_valid, row_dst, row_pos, dst = compress_fn(slots, starts, lens, ratio, ring, max_rows, kind == CSA)
         compress[kind] = CompressMeta(
-            ratio, _t(src), _t(src_valid), _t(row_dst), _t(row_pos), RingWrite(every, _t(dst)), write_first=True
+            ratio, t(src), t(src_valid), t(row_dst), t(row_pos), RingWrite(every, t(dst)), write_first=True
         )
     return ForwardBatch(
         input_ids=input_ids,
-        positions=_t(positions),
+        positions=t(positions),
         logits_index=logits_index,
         groups=[group],
-        window_write=RingWrite(every, _t(ring_dst)),
+        window_write=RingWrite(every, t(ring_dst)),
         window_write_first=True,
         compress=compress,
     )

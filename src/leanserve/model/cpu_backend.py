@@ -269,15 +269,24 @@ class CpuBackend(TorchBackend):
         plans = [self.plan(block, caches[key]) for key, block in model.layers.items()]
         embed = self.kept_views(model.embed, model.embed.table) if streams is None else None
         s = None if streams is None else streams.numpy()
-        return torch.from_numpy(decode.run_blocks(embed, plans, model.cfg.hc_mult, decode.Step(fb, ropes), s))
+        step = decode.Step(fb, decode.rope_angles(ropes))
+        return torch.from_numpy(decode.run_blocks(embed, plans, model.cfg.hc_mult, step, s))
 
-    def run_mtp(self, mtp, streams, embedded, fb, cache, ropes):
-        if not (self.decode_step(fb, streams.dtype) and _activations(streams, embedded)):
-            return super().run_mtp(mtp, streams, embedded, fb, cache, ropes)
+    def run_mtp(self, model, streams, fb, caches):
+        if not (self.decode_step(fb, streams.dtype) and _activations(streams)):
+            return super().run_mtp(model, streams, fb, caches)
+        # The whole layer as numpy arrays: the embedding's rows and the RoPE angles indexed from their tables.
+        mtp, cache = model.mtp["0"], caches["mtp.0"]
         w = self.kept_views(mtp, mtp.mtp_weights)
-        x = decode.mtp_inputs(w, streams.numpy(), embedded.numpy())
-        out = decode.block_arrays(self.plan(mtp, cache), x, decode.Step(fb, ropes))
-        return torch.from_numpy(decode.hc_pre_arrays(out, w.head)[0]), torch.from_numpy(out)
+        plan = self._plans.get((id(mtp), id(cache)))
+        if plan is None or plan.w is not w.block:  # (the block's views are the MTP layer's, kept with them)
+            plan = self._plans[(id(mtp), id(cache))] = decode.Plan(w.block, [], cache)
+        embed = self.kept_views(model.embed, model.embed.table)
+        rotary = model.rotary_main
+        angles = {"main": self.kept_views(rotary, rotary.pairs)[fb.positions.numpy()]}  # (sliding attention)
+        rows = None if fb.logits_index is None else fb.logits_index.numpy()
+        hidden, out = decode.run_mtp(w, plan, embed, streams.numpy(), decode.Step(fb, angles), rows)
+        return torch.from_numpy(hidden), torch.from_numpy(out)
 
 
 def _dense(w: Fp8Weight | Fp4Weight) -> torch.Tensor:

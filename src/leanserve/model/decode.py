@@ -6,7 +6,8 @@ Wrapping each kernel in torch tensors (an output tensor, its numpy view, the inp
 each, dozens per layer) costs more than the arithmetic at batch 1. Here each block's weights (its typed
 `BlockWeights`, as numpy views) and its caches' views are made once and kept in a `Plan`, the step's metadata is
 converted once for all layers (`Step`), and intermediate outputs are plain numpy arrays. The MTP layer's step runs
-the same way (its input projections, its block, its hc_head and norm); the head stays a torch call.
+the same way from its tokens' embedding rows (`run_mtp`: its input projections, its block, its hc_head and norm on
+the wanted rows); the head stays a torch call.
 tests/test_kernels.py checks this path against the torch backend.
 """
 
@@ -131,13 +132,19 @@ def cache_rows(cache: LayerCache) -> tuple[np.ndarray, np.ndarray]:
 
 
 # --- a decode-sized step ------------------------------------------------------------------------------------
-class Step:
-    """The step's metadata as numpy arrays, converted once for all layers."""
+def rope_angles(ropes: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """The step's RoPE tables (complex, per kind) as the kernels take them: real pairs [N, R/2, 2]."""
+    return {k: torch.view_as_real(r.contiguous()).numpy() for k, r in ropes.items()}
 
-    def __init__(self, fb: ForwardBatch, ropes: dict[str, torch.Tensor]) -> None:
+
+class Step:
+    """The step's metadata as numpy arrays, converted once for all layers; `angles` from rope_angles, or indexed
+    straight from a table of every position's (Rotary.pairs)."""
+
+    def __init__(self, fb: ForwardBatch, angles: dict[str, np.ndarray]) -> None:
         g = fb.groups[0]
         self.ids = fb.input_ids.numpy()
-        self.angles = {k: torch.view_as_real(r.contiguous()).numpy() for k, r in ropes.items()}
+        self.angles = angles
         self.window = fb.window_write.src.numpy(), fb.window_write.dst.numpy()
         self.group = g.arrays()
         self.max_visible = g.max_visible
@@ -186,13 +193,25 @@ def run_blocks(embed: np.ndarray | None, plans: list[Plan], hc: int, step: Step,
     """The blocks of `plans` over a step: from the embedding table's rows of the step's tokens (a first stage,
     `embed` the table's numpy view, float32 or bfloat16 bits) or from `streams` [T, hc, hidden]."""
     if streams is None:
-        rows = embed[step.ids]
-        x = rows if rows.dtype == np.float32 else (rows.astype(np.uint32) << 16).view(np.float32)
+        x = embedded(embed, step.ids)
         streams = np.empty((x.shape[0], hc, x.shape[1]), dtype=np.float32)
         streams[:] = x[:, None, :]
     for plan in plans:
         streams = block_arrays(plan, streams, step)
     return streams
+
+
+def embedded(embed: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The embedding table's rows of `ids` (its numpy view, float32 or bfloat16 bits) as float32 [T, hidden]."""
+    rows = embed[ids]
+    return rows if rows.dtype == np.float32 else (rows.astype(np.uint32) << 16).view(np.float32)
+
+
+def run_mtp(w, plan: Plan, embed: np.ndarray, streams: np.ndarray, step: Step, rows) -> tuple[np.ndarray, np.ndarray]:
+    """The MTP layer over a step from the embedding of its tokens (w the MTPWeights views, plan its block's):
+    (the shared head's input at `rows` (None: all) [T', hidden], the block's output streams [T, hc, hidden])."""
+    out = block_arrays(plan, mtp_inputs(w, streams, embedded(embed, step.ids)), step)
+    return hc_pre_arrays(out if rows is None else out[rows], w.head)[0], out
 
 
 def mtp_inputs(w, streams: np.ndarray, embedded: np.ndarray) -> np.ndarray:

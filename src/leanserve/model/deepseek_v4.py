@@ -162,11 +162,14 @@ class DeepseekV4(UsesBackend, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits [T', vocab] for fb.logits_index, the MTP block's output streams [T, hc, hidden])."""
         assert self.mtp is not None, "this model was built without its MTP layer"
+        hidden, out = self.ops.run_mtp(self, streams, fb, caches)
+        return self.logits(hidden), out
+
+    def mtp_torch(self, streams: torch.Tensor, fb: ForwardBatch, caches: dict[str, LayerCache]):
+        """The torch statement of run_mtp: the embeddings of fb's tokens, then the MTP layer (its hc_head too)."""
         mtp = self.mtp["0"]
         hidden, out = mtp(streams, self.embed_tokens(fb.input_ids), fb, caches["mtp.0"], self.ropes(fb))
-        if fb.logits_index is not None:
-            hidden = hidden[fb.logits_index]
-        return self.logits(hidden), out
+        return (hidden if fb.logits_index is None else hidden[fb.logits_index]), out
 
 
 @contextlib.contextmanager

@@ -111,3 +111,7 @@ class Rotary(nn.Module):
 
     def table(self, positions: torch.Tensor) -> torch.Tensor:
         return self.freqs[positions]  # [..., rope_dim / 2] complex
+
+    def pairs(self) -> torch.Tensor:
+        """Every position's angles as real pairs [P, rope_dim / 2, 2] (a view), for a backend that indexes them."""
+        return torch.view_as_real(self.freqs)

@@ -62,10 +62,8 @@ class MTPBlock(Block):
         cache: LayerCache,
         ropes: dict[str, Rope],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (normed hidden [T, hidden] for the shared head, output streams [T, hc, hidden])."""
-        return self.ops.run_mtp(self, streams, embedded, fb, cache, ropes)
-
-    def forward_torch(self, streams, embedded, fb: ForwardBatch, cache: LayerCache, ropes):
+        """The torch statement (the backend's `run_mtp` runs the whole layer, see DeepseekV4.mtp_forward):
+        (normed hidden [T, hidden] for the shared head, output streams [T, hc, hidden])."""
         out = super().forward(self.block_input(streams, embedded), fb, cache, ropes)
         return self.head_hidden(out), out
 
