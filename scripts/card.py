@@ -179,21 +179,45 @@ def plot_loss_curve(
     plt.close(fig)
 
 
-# --- the example completion ------------------------------------------------------------------------------------
-def complete(model_dir: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """Greedy completion through leanserve.LLM, with the settings `leanserve generate` uses."""
+# --- the completions --------------------------------------------------------------------------------------------
+# Five everyday prompts: a function signature, a class, an import block, a docstring, a loop.
+EVERYDAY_PROMPTS = (
+    "def binary_search(items, target):",
+    "class Stack:",
+    "import os\nimport sys\n",
+    '"""Read a configuration file and return its settings as a dict."""\n',
+    "for i in range(10):",
+)
+EVERYDAY_MAX_TOKENS = 64
+REPEAT_SPAN = 8  # a completion repeats itself when some span of this many tokens occurs three times
+
+
+def complete(model_dir: str, prompts: list[str], max_tokens: int) -> list[dict[str, Any]]:
+    """Greedy completions through leanserve.LLM, with the settings `leanserve generate` uses."""
     from leanserve import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, max_num_seqs=1, load_progress=False)
-    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
-    c = out.outputs[0]
-    return {
-        "prompt": prompt,
-        "text": c.text,
-        "prompt_tokens": len(out.prompt_token_ids),
-        "generated_tokens": len(c.token_ids),
-        "finish_reason": c.finish_reason,
-    }
+    with LLM(model=model_dir, max_num_seqs=1, load_progress=False) as llm:
+        outs = [llm.generate(p, SamplingParams(temperature=0.0, max_tokens=max_tokens))[0] for p in prompts]
+    return [
+        {
+            "prompt": prompt,
+            "text": out.outputs[0].text,
+            "token_ids": list(out.outputs[0].token_ids),
+            "prompt_tokens": len(out.prompt_token_ids),
+            "generated_tokens": len(out.outputs[0].token_ids),
+            "finish_reason": out.outputs[0].finish_reason,
+        }
+        for prompt, out in zip(prompts, outs, strict=True)
+    ]
+
+
+def most_repeated_span(token_ids: list[int], span: int = REPEAT_SPAN) -> int:
+    """How often the most frequent run of `span` consecutive tokens occurs (0 if there are fewer tokens)."""
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(len(token_ids) - span + 1):
+        key = tuple(token_ids[i : i + span])
+        counts[key] = counts.get(key, 0) + 1
+    return max(counts.values(), default=0)
 
 
 # --- the card --------------------------------------------------------------------------------------------------
@@ -447,6 +471,23 @@ def _example(example: dict[str, Any], model_arg: str) -> str:
     )
 
 
+def _everyday(completions: list[dict[str, Any]], model_arg: str) -> str:
+    rows, blocks = [], []
+    for c in completions:
+        most = most_repeated_span(c["token_ids"])
+        rows.append((f"`{c['prompt']!r}`", str(c["generated_tokens"]), str(most), "yes" if most >= 3 else "no"))
+        blocks.append(fence(c["prompt"] + c["text"], "python"))
+    cmd = f"{shlex.join(['.venv/bin/leanserve', 'generate', '--model', model_arg])} --prompt PROMPT --max-tokens 64"
+    return (
+        f"Greedy completions of {EVERYDAY_MAX_TOKENS} tokens (fewer if the model ends the text). A completion "
+        f"repeats itself when some run of {REPEAT_SPAN} consecutive tokens occurs three times in it:\n\n"
+        + _table(("prompt", "tokens", f"most frequent {REPEAT_SPAN}-token run, times", "repeats itself"), rows)
+        + "\n\n"
+        + "\n\n".join(blocks)
+        + f"\n\nReproduce each with\n\n{fence(cmd, 'sh')}"
+    )
+
+
 def write_card(
     model_dir: str | Path,
     log_path: str | Path | None = None,
@@ -470,7 +511,8 @@ def write_card(
         figures, source = summary.get("heldout"), "train_summary.json"
     name = model_dir.resolve().name
     plot_loss_curve(records, model_dir / "loss_curve.png", f"{name}: training loss", log_x, figures)
-    example = {**complete(model_arg, prompt, max_tokens), "max_tokens": max_tokens}
+    example = {**complete(model_arg, [prompt], max_tokens)[0], "max_tokens": max_tokens}
+    everyday = complete(model_arg, list(EVERYDAY_PROMPTS), EVERYDAY_MAX_TOKENS)
 
     kinds = ", ".join(ATTENTION_NAMES[k] for k in ATTENTION_NAMES if k in cfg.layer_types)
     moe = " and ".join(name for k, name in ROUTING_NAMES.items() if k in cfg.mlp_layer_types)
@@ -506,6 +548,7 @@ def write_card(
         ),
         "## Held-out evaluation\n\n" + _evaluation(figures, source, model_arg, summary),
         "## Example completion\n\n" + _example(example, model_arg),
+        "## Everyday completions\n\n" + _everyday(everyday, model_arg),
         "---\n\nThis card and `loss_curve.png` were written by\n\n"
         + fence(" ".join(shell_quote(a) for a in card_cmd), "sh"),
     ]

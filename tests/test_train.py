@@ -304,12 +304,19 @@ def test_model_card_reports_the_run_and_the_eval_figures(trained, corpus_dir, tm
     assert f"{summary['parameters']:,}" in readme and f"{summary['train_stream_tokens']:,}" in readme
     assert "![" in readme and "(loss_curve.png)" in readme
     assert "def fibonacci(n):" in readme and "leanserve generate --model" in readme
+    assert "## Everyday completions" in readme and all(repr(p) in readme for p in card.EVERYDAY_PROMPTS)
     cfg_layers = json.loads((model / "config.json").read_text())["layer_types"]
     assert len(cfg_layers) == 3 and "heavily compressed (HCA)" in readme and "hash-routed" in readme
 
     # without --eval-json the card takes the figures from train_summary.json; this run recorded none
     assert card_main(["--model", str(model), "--threads", "1"]) == 0
     assert "No held-out figures" in (model / "README.md").read_text()
+
+
+def test_a_repeated_span_is_counted_where_it_recurs():
+    assert card.most_repeated_span([1, 2, 3] * 4, span=3) == 4
+    assert card.most_repeated_span(list(range(20)), span=8) == 1
+    assert card.most_repeated_span([5] * 7, span=8) == 0
 
 
 # --- MTP self-distillation -----------------------------------------------------------------------------------
