@@ -211,3 +211,21 @@ def test_the_receive_buffers_are_in_the_ledger_one_per_micro_batch(ckpt, overlap
         assert entry.shape[:2] == ((3, 16) if overlap else (1, 48))
     with engine(ckpt) as llm:  # no pipeline: no pipeline buffer
         assert all(e.feature != PIPELINE for e in llm.memory_ledger()[0].buffers)
+
+
+def test_bench_pp_reports_each_arm_side_by_side(ckpt, capsys):
+    import json
+
+    from leanserve.cli import main
+
+    args = ["--log-level", "warning", "bench", "pp", "--model", str(ckpt), "--concurrency", "1,4"]
+    assert main([*args, "--max-tokens", "6", "--prompt-len", "8", "--repeats", "1", "--output", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["same_tokens"] and min(r["pp1_tok_s"], r["serial_tok_s"], r["overlap_tok_s"]) > 0
+        assert r["overlap_vs_serial"] == pytest.approx(r["overlap_tok_s"] / r["serial_tok_s"])
+        busy = [float(b) for b in r["overlap_busy"].split("/")]
+        assert len(busy) == 2 and all(0 < b <= 1 for b in busy)
+    assert main([*args, "--stages", "1"]) == 2
+    assert "--stages must be at least 2" in capsys.readouterr().err

@@ -23,7 +23,7 @@ import pytest
 
 from leanserve import LLM, SamplingParams
 
-SHIPPED = Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-8m"
+SHIPPED = Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-12l"
 NAME = "stdlib-8m"
 ENGINE = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8"]
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef main():\n    ", "class Stack:\n", "for i in range(", "x = {"]

@@ -8,7 +8,7 @@ import torch
 from leanserve import LLM, SamplingParams
 from leanserve.model.loader import has_mtp_weights
 
-MODEL = Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-8m"
+MODEL = Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-12l"
 PROMPTS = [
     "def fibonacci(n):\n",
     "import os\n\n\ndef list_files(path):\n    ",
@@ -48,3 +48,13 @@ def test_completion_is_python_like(llm):
     for prompt in ("def add(a, b):", "def fibonacci(n):", "class Stack:"):
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0]
         assert out.outputs[0].text.startswith("\n    "), (prompt, out.outputs[0].text)
+
+
+def test_everyday_completions_do_not_repeat_themselves(llm):
+    # The model card's five everyday prompts: in 64 greedy tokens no run of 8 tokens occurs three times.
+    import card  # scripts/card.py (conftest puts scripts/ on sys.path)
+
+    for prompt in card.EVERYDAY_PROMPTS:
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=card.EVERYDAY_MAX_TOKENS))[0]
+        ids = list(out.outputs[0].token_ids)
+        assert card.most_repeated_span(ids) < 3, (prompt, out.outputs[0].text)

@@ -12,7 +12,7 @@ from leanserve import LLM, SamplingParams  # noqa: E402
 from leanserve.config import CSA, ModelConfig  # noqa: E402
 from leanserve.model import batch, cpu_kernels  # noqa: E402
 
-MODEL = Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-8m"
+MODEL = Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-12l"
 
 
 def _dispatchers() -> dict[str, object]:

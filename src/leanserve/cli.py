@@ -209,6 +209,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--model", required=True)
     pp.add_argument("--concurrency", type=_int_list, default=[1, 8, 32])
     pp.add_argument("--stages", type=int, default=2)
+    pp.add_argument("--pipeline-layer-counts", type=_int_list, default=None, help="layers per stage (default: even)")
     pp.add_argument("--max-tokens", type=int, default=64)
     pp.add_argument("--prompt-len", type=int, default=32)
     pp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -266,8 +267,9 @@ def _bench(args: argparse.Namespace) -> int:
         if args.max_tokens < 1 or args.prompt_len < 1:
             raise ValueError("--prompt-len and --max-tokens must be positive.")
         rows = pp_bench(
-            args.model, args.concurrency, args.stages, args.max_tokens, args.prompt_len, args.repeats, args.dtype
-        )
+            args.model, args.concurrency, args.stages, args.max_tokens, args.prompt_len, args.repeats, args.dtype,
+            args.pipeline_layer_counts,
+        )  # fmt: skip
         print_rows(rows, args.output, PP_HEADERS)
     elif args.bench == "spec-cost":
         from leanserve.bench.spec_cost import SPEC_COST_HEADERS, spec_cost_bench

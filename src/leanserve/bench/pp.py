@@ -14,6 +14,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
+from leanserve.bench.common import code_prompts
+
 ARMS = ("pp1", "serial", "overlap")
 
 
@@ -51,22 +55,22 @@ def pp_bench(
     prompt_len: int = 32,
     repeats: int = 3,
     dtype: str = "float32",
+    layer_counts: list[int] | None = None,
 ) -> list[PPRow]:
     from leanserve import LLM, SamplingParams
-    from leanserve.bench.common import code_prompts
 
     if stages < 2:
         raise ValueError(f"--stages must be at least 2, got {stages}.")
     most = max(concurrency)
     common = dict(dtype=dtype, max_num_seqs=most, max_model_len=prompt_len + max_tokens + 8, load_progress=False)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    arms = {"pp1": {}, "serial": dict(pipeline_parallel_size=stages, pipeline_overlap=False)}
-    arms["overlap"] = dict(pipeline_parallel_size=stages)
+    split = dict(pipeline_parallel_size=stages, pipeline_layer_counts=layer_counts)
+    arms = {"pp1": {}, "serial": dict(split, pipeline_overlap=False), "overlap": split}
     # results[arm][concurrency] = (median tok/s, busy fractions of the median round, token ids)
     results: dict[str, dict[int, tuple[float, list[float], list]]] = {}
     for arm, kwargs in arms.items():  # one engine at a time: each arm has the machine's cores to itself
         with LLM(model, **common, **kwargs) as llm:
-            prompts = [{"prompt_token_ids": p} for p in code_prompts(llm.engine.tokenizer, most, prompt_len)]
+            prompts = [{"prompt_token_ids": p} for p in _prompts(llm, most, prompt_len)]
             results[arm] = {}
             for c in concurrency:
                 llm.generate(prompts[:c], params)  # warm-up at this batch shape
@@ -81,11 +85,20 @@ def pp_bench(
         (one, _, want), (ser, ser_busy, a), (ovl, ovl_busy, b) = (results[arm][c] for arm in ARMS)
         rows.append(
             PPRow(
-                c, round(one, 1), round(ser, 1), round(ovl, 1), round(ovl / one, 2), round(ovl / ser, 2),
+                c, one, ser, ovl, ovl / one, ovl / ser,
                 _fractions(ser_busy), _fractions(ovl_busy), a == want and b == want,
             )
         )  # fmt: skip
     return rows
+
+
+def _prompts(llm, count: int, length: int) -> list[list[int]]:
+    """Held-out code; for a checkpoint without a tokenizer, token ids from a fixed seed."""
+    if llm.engine.tokenizer is not None:
+        return code_prompts(llm.engine.tokenizer, count, length)
+    vocab = llm.engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
 
 
 def _round(llm, prompts: list[dict], params) -> tuple[float, list[float], list]:
