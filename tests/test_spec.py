@@ -399,7 +399,7 @@ def test_bench_spec_runs_every_method_side_by_side(capsys):
     args = ["--log-level", "warning", "bench", "spec", "--model", str(SHIPPED), "--batch-sizes", "1"]
     assert main([*args, "--max-tokens", "12", "--prompt-len", "16", "--repeats", "1", "--output", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["method"] for r in rows] == ["none", "mtp k=1", "mtp k=2", "ngram k=3"]
+    assert [r["method"] for r in rows] == ["none", "mtp k=1", "mtp k=2", "mtp k=3", "ngram k=3"]
     assert all(r["same_tokens"] == "1/1" and r["tok_s"] > 0 for r in rows)
     assert rows[0]["acceptance_rate"] is None and 0 <= rows[1]["acceptance_rate"] <= 1
     assert rows[0]["step_cost"] is None

@@ -215,7 +215,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     pp.add_argument("--repeats", type=int, default=3)
     pp.add_argument("--output", default="table", choices=["table", "json"])
-    sp = kinds.add_parser("spec", help="tokens/s without speculation vs mtp (k=1, 2) vs ngram, on held-out code")
+    sp = kinds.add_parser("spec", help="tokens/s without speculation vs mtp (k=1, 2, 3) vs ngram, on held-out code")
     sp.add_argument("--model", required=True)
     sp.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
     sp.add_argument("--max-tokens", type=int, default=64)

@@ -1,4 +1,4 @@
-"""`leanserve bench spec`: greedy tokens/s of speculative decoding (MTP k = 1, 2; n-gram) against none, on
+"""`leanserve bench spec`: greedy tokens/s of speculative decoding (MTP k = 1, 2, 3; n-gram) against none, on
 held-out code, with the acceptance figures and what a speculative step costs in plain steps."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ SPEC_CONFIGS: dict[str, dict | None] = {
     "none": None,
     "mtp k=1": {"method": "mtp", "num_speculative_tokens": 1},
     "mtp k=2": {"method": "mtp", "num_speculative_tokens": 2},
+    "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3},
     "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
 }
 
