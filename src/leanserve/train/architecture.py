@@ -13,19 +13,20 @@ from leanserve.model.deepseek_v4 import DeepseekV4, build_model
 from leanserve.model.layers import RMSNorm
 from leanserve.train import data as data_mod
 
-# The default shipped model: every attention kind and both MoE kinds, windows and compression rates small
+# The default shipped model (models/dsv4-stdlib-12l): 12 blocks, so that the MTP layer is one block of 13 as
+# in DeepSeek-V4 it is one of 44; every attention kind and both MoE kinds, windows and compression rates small
 # enough that a 512-token context crosses many boundaries, and an indexer that keeps 16 of the 128 CSA rows.
 DEFAULT_MODEL: dict[str, Any] = dict(
     vocab_size=4096,
-    hidden_size=256,
-    moe_intermediate_size=128,
-    num_hidden_layers=4,
+    hidden_size=192,
+    moe_intermediate_size=64,
+    num_hidden_layers=12,
     num_attention_heads=4,
     head_dim=64,
     qk_rope_head_dim=32,
-    q_lora_rank=128,
+    q_lora_rank=96,
     o_groups=2,
-    o_lora_rank=128,
+    o_lora_rank=96,
     n_routed_experts=8,
     num_experts_per_tok=2,
     hc_mult=4,
@@ -41,12 +42,14 @@ DEFAULT_MODEL: dict[str, Any] = dict(
 
 
 def layer_pattern(num_layers: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Attention kinds: sliding first, then CSA / HCA alternating; MoE: a hash layer first, then top-k."""
+    """Attention kinds: sliding first (two layers from 6 on, as DeepSeek-V4 starts), then CSA / HCA alternating;
+    MoE: a hash layer first, then top-k."""
     if num_layers < 3:
         raise ConfigError(
             f"num_hidden_layers must be >= 3 so that every attention kind (sliding, CSA, HCA) is trained, got {num_layers}."
         )
-    attn = tuple([SLIDING] + [CSA if i % 2 == 0 else HCA for i in range(num_layers - 1)])
+    sliding = 2 if num_layers >= 6 else 1
+    attn = tuple([SLIDING] * sliding + [CSA if i % 2 == 0 else HCA for i in range(num_layers - sliding)])
     mlp = tuple([HASH_MOE] + [MOE] * (num_layers - 1))
     return attn, mlp
 
