@@ -2,7 +2,7 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
-MODEL  ?= models/dsv4-stdlib-8m
+MODEL  ?= models/dsv4-stdlib-12l
 PROMPT ?= def fibonacci(n):
 
 .PHONY: install run random-tiny test lint clean

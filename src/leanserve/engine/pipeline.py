@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import pickle
-import queue
 import subprocess
 import sys
 import threading
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from leanserve.config import EngineConfig, ModelConfig
-from leanserve.engine.channel import Channel, Inbox
+from leanserve.engine.channel import Channel
 from leanserve.engine.runner import IntermediateStreams, SeqOutput, StageInfo, StageRunner, StepPlan
 from leanserve.engine.topology import PipelineTopology
 from leanserve.errors import StageFailure
@@ -131,9 +130,8 @@ class PipelineDriver:
             self.shutdown(graceful=False)
             raise
         self.store = store  # the TCP store (on stage 0, its server) lives as long as the engine
-        # The last stage's tokens, received as they come, in launch order.
-        last = n - 1
-        self.inbox = Inbox(lambda: self.channel.recv_obj(last), lambda m: False, "leanserve stage 0 inbox")
+        # The last stage's tokens, in launch order, each one's receive posted before it is needed.
+        self.mailbox = self.channel.mailbox(n - 1)
         self.in_flight = 0
         self.busy_s = 0.0  # seconds stage 0 has spent computing
         self._reports = 0
@@ -207,7 +205,7 @@ class PipelineDriver:
         if self.dead:
             raise StageFailure(self.dead)
         try:
-            out = self.inbox.get()
+            out = self.mailbox.take()
         except RuntimeError as e:
             raise self._failed(self.num_stages - 1, e) from None
         except BaseException as e:  # interrupted while waiting: the pipeline is out of step
@@ -256,8 +254,6 @@ class PipelineDriver:
                 self.channel.send_obj(Stop(), *range(1, self.num_stages))
         _terminate(list(self.procs.values()), wait_s=10.0 if graceful else 0.0)
         self._finalizer.detach()
-        if hasattr(self, "inbox"):  # its receive fails once the last stage has gone
-            self.inbox.join(timeout=5.0)
 
 
 def _terminate(procs: list[subprocess.Popen], wait_s: float = 0.0) -> None:
@@ -303,40 +299,41 @@ def run_stage(store: dist.Store, rank: int, world: int) -> int:
     except Exception as e:
         channel.send_obj(StageError(rank, f"{type(e).__name__}: {e}"), 0)
         return 1
-    # The inbox thread receives the next plan and its streams while this one computes, into one of the
-    # receive buffers (one per micro-batch in flight), and waits for a free buffer when it is that far ahead.
-    free: queue.Queue[int] = queue.Queue()
-    for i in range(spec.config.micro_batches):
-        free.put(i)
+    # The next plan's receive is posted before this one computes (Mailbox); when it has arrived by then, its
+    # streams' receive is posted too, into the other receive buffer (one per micro-batch in flight), so they
+    # land while this stage works.
+    buffers, count = spec.config.micro_batches, 0
 
-    def receive():
-        plan = channel.recv_obj(0)
-        if isinstance(plan, Stop | Report):
-            return plan
-        i = free.get()
-        return plan, i, channel.recv_streams(runner.streams_buffer(i, plan.num_tokens), rank - 1)
+    def next_step(plans):
+        nonlocal count
+        msg = plans.take()
+        if isinstance(msg, Stop | Report):
+            return msg
+        into = runner.streams_buffer(count % buffers, msg.num_tokens)
+        count += 1
+        return msg, into, channel.recv_streams(into, rank - 1)
 
     try:
         channel.send_obj(runner.info(), 0)
-        inbox = Inbox(receive, lambda m: isinstance(m, Stop), f"leanserve stage {rank} inbox")
-        busy = 0.0
+        plans = channel.mailbox(0)
+        busy, ahead = 0.0, None
         while True:
-            msg = inbox.get()
+            msg, ahead = ahead or next_step(plans), None
             if isinstance(msg, Stop):
                 return 0
             if isinstance(msg, Report):
                 store.set(f"{msg.key}/{rank}", json.dumps(busy))
                 continue
-            plan, i, streams = msg
+            plan, streams, work = msg
+            work.wait()
+            if buffers > 1 and plans.ready():
+                ahead = next_step(plans)
             start = time.perf_counter()
             out = runner.execute(plan, IntermediateStreams(streams))
             busy += time.perf_counter() - start
-            if not layout.is_last and out.streams.untyped_storage().data_ptr() == streams.untyped_storage().data_ptr():
-                out = IntermediateStreams(out.streams.clone())  # (the buffer is about to take the next step's)
-            free.put(i)
             if layout.is_last:
                 channel.post_obj(out, 0)
-            else:
+            else:  # (a fresh tensor: the receive buffer takes another micro-batch's streams next)
                 channel.post_streams(out.streams, rank + 1)
     except RuntimeError as e:
         if "Connection closed" in str(e) or "Socket" in str(e) or "Connection reset" in str(e):
