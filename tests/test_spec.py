@@ -166,16 +166,16 @@ def test_a_stream_stops_at_a_stop_token_inside_accepted_drafts(target5, random_p
     with LLM(str(target5), max_model_len=160, load_progress=False, speculative_config=config) as llm:
         (want,) = llm.generate(random_prompts[1], params)
         engine, beyond = llm.engine, []
-        execute = engine.executor.execute
+        collect = engine.executor.collect
 
-        def record(plan):  # the tokens the last stage sent back past the stop token
-            outputs = execute(plan)
+        def record():  # the tokens the last stage sent back past the stop token
+            outputs = collect()
             for o in outputs.values():
                 ids = [t.token_id for t in o.tokens]
                 beyond.extend(ids[ids.index(stop) + 1 :] if stop in ids else [])
             return outputs
 
-        engine.executor.execute = record
+        engine.executor.collect = record
         seq_id = engine.add_request(random_prompts[1]["prompt_token_ids"], params)
         streamed, reasons = [], []
         while engine.has_unfinished:

@@ -4,8 +4,8 @@ Stage 0 lives in the user's process and owns the scheduler and tokenizer. To lau
 the StepPlan to every other stage, runs its own layers and posts the residual streams to stage 1; stage i
 takes the streams from stage i-1 and posts its own to i+1; the last stage samples and posts the tokens back
 to stage 0. With overlap up to N micro-batches (disjoint sets of requests) are in flight at once, and every
-stage works on one while its inbox thread receives the next (engine/channel.py): nothing a stage sends or
-receives waits on its compute. Messages go over a process group of the engine's own, built from a TCP store,
+stage works on one while the next one's messages land (engine/channel.py): nothing a stage sends or receives
+waits on its compute. Messages go over a process group of the engine's own, built from a TCP store,
 so two engines in one process or on one machine never share state.
 
 Launch: on one machine the driver starts a TCP store on a free port and spawns the other stages as
