@@ -26,7 +26,6 @@ class Channel:
     """Pickled control objects and stream tensors on a process group."""
 
     def __init__(self, store: dist.Store, rank: int, world: int, device: str, timeout) -> None:
-        self.rank, self.world = rank, world
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("leanserve/gloo", store), rank, world, timeout)
         self.data_pg = self.pg
         if device.startswith("cuda"):  # pragma: no cover - needs GPUs
@@ -36,7 +35,7 @@ class Channel:
     # --- sends: posted, not waited for -------------------------------------------------------------------
     def post_obj(self, obj: object, *dsts: int) -> None:
         payload = pickle.dumps(obj)
-        frame = torch.zeros(FRAME_BYTES + 8, dtype=torch.uint8)
+        frame = torch.empty(FRAME_BYTES + 8, dtype=torch.uint8)  # (bytes past the payload are not read)
         frame[:8].view(torch.int64)[0] = len(payload)
         head = min(len(payload), FRAME_BYTES)
         frame[8 : 8 + head] = torch.frombuffer(bytearray(payload[:head]), dtype=torch.uint8)
@@ -120,6 +119,3 @@ class Outbox:
         while self._pending:
             work, _ = self._pending.popleft()
             work.wait()
-
-    def __len__(self) -> int:
-        return len(self._pending)

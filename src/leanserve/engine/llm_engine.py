@@ -67,22 +67,16 @@ class LocalExecutor:
     def __init__(self, runner: StageRunner) -> None:
         self.runner = runner
         self.infos = [runner.info()]
-        self.busy_s = 0.0
         self._done: deque[dict[int, SeqOutput]] = deque()
 
     def launch(self, plan: StepPlan) -> None:
-        start = time.perf_counter()
         self._done.append(self.runner.execute(plan))
-        self.busy_s += time.perf_counter() - start
 
     def collect(self) -> dict[int, SeqOutput]:
         return self._done.popleft()
 
-    def execute(self, plan: StepPlan) -> dict[int, SeqOutput]:
-        return self.runner.execute(plan)
-
     def stage_busy_s(self) -> list[float]:
-        return [self.busy_s]
+        return [self.runner.busy_s]
 
     def shutdown(self, graceful: bool = True) -> None:
         pass

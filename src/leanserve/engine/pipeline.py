@@ -132,8 +132,6 @@ class PipelineDriver:
         self.store = store  # the TCP store (on stage 0, its server) lives as long as the engine
         # The last stage's tokens, in launch order, each one's receive posted before it is needed.
         self.mailbox = self.channel.mailbox(n - 1)
-        self.in_flight = 0
-        self.busy_s = 0.0  # seconds stage 0 has spent computing
         self._reports = 0
 
     def _spawn(self, port: int) -> None:
@@ -183,14 +181,11 @@ class PipelineDriver:
                 self.channel.post_obj(plan, *range(1, self.num_stages))
             except RuntimeError as e:
                 raise self._failed(1, e) from None
-            start = time.perf_counter()
             out = self.runner.execute(plan)
-            self.busy_s += time.perf_counter() - start
             try:
                 self.channel.post_streams(out.streams, 1)
             except RuntimeError as e:
                 raise self._failed(1, e) from None
-            self.in_flight += 1
         except StageFailure:
             raise
         except BaseException as e:
@@ -212,13 +207,7 @@ class PipelineDriver:
             self.dead = f"pipeline stage 0 stopped mid-step ({type(e).__name__}: {e}); the engine has stopped."
             self.shutdown(graceful=False)
             raise
-        self.in_flight -= 1
         return out
-
-    def execute(self, plan: StepPlan) -> dict[int, SeqOutput]:
-        """One step with nothing else in flight: launch, then collect."""
-        self.launch(plan)
-        return self.collect()
 
     def stage_busy_s(self) -> list[float]:
         """Seconds each stage has spent computing so far, first to last (the others' once they have finished
@@ -231,7 +220,11 @@ class PipelineDriver:
             self.channel.post_obj(Report(key), *range(1, self.num_stages))
         except RuntimeError as e:
             raise self._failed(1, e) from None
-        return [self.busy_s] + [float(self.store.get(f"{key}/{r}")) for r in range(1, self.num_stages)]
+        others = []
+        for r in range(1, self.num_stages):
+            others.append(float(self.store.get(f"{key}/{r}")))
+            self.store.delete_key(f"{key}/{r}")
+        return [self.runner.busy_s, *others]
 
     def _failed(self, peer: int, error: Exception) -> StageFailure:
         """Names the stage that died (the first whose exit was not caused by another's), stops the rest."""
@@ -316,21 +309,19 @@ def run_stage(store: dist.Store, rank: int, world: int) -> int:
     try:
         channel.send_obj(runner.info(), 0)
         plans = channel.mailbox(0)
-        busy, ahead = 0.0, None
+        ahead = None
         while True:
             msg, ahead = ahead or next_step(plans), None
             if isinstance(msg, Stop):
                 return 0
             if isinstance(msg, Report):
-                store.set(f"{msg.key}/{rank}", json.dumps(busy))
+                store.set(f"{msg.key}/{rank}", json.dumps(runner.busy_s))
                 continue
             plan, streams, work = msg
             work.wait()
             if buffers > 1 and plans.ready():
                 ahead = next_step(plans)
-            start = time.perf_counter()
             out = runner.execute(plan, IntermediateStreams(streams))
-            busy += time.perf_counter() - start
             if layout.is_last:
                 channel.post_obj(out, 0)
             else:  # (a fresh tensor: the receive buffer takes another micro-batch's streams next)

@@ -3,6 +3,7 @@ step that turns a StepPlan (plus the previous stage's streams) into streams or s
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,6 +142,7 @@ class StageRunner:
         if isinstance(self.proposer, DraftModelProposer):  # the draft model's weights are weights too
             self.memory.add_weights(weights_by_format(self.proposer.model))
         self._written = np.zeros(config.max_num_seqs, dtype=np.int64)  # positions each slot holds
+        self.busy_s = 0.0  # seconds spent in execute (a pipeline's busy fractions)
         self.max_num_batched_tokens = tokens
 
     def info(self) -> StageInfo:
@@ -223,6 +225,13 @@ class StageRunner:
                 "execute(propose=True, capture_hidden=False): the MTP proposer reads the target-hidden streams "
                 "this step captures; pass propose=False too, or keep capture_hidden=True."
             )
+        start = time.perf_counter()
+        try:
+            return self._execute(plan, received, propose, capture_hidden)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def _execute(self, plan, received, propose, capture_hidden):
         self._check_committed(plan)
         last = self.layout.is_last
         logits_index = list(plan.logits_rows) if last else None
