@@ -90,6 +90,12 @@ def prefill(runner, batch: int, prompt_len: int, next_tokens: tuple[int, ...] = 
     runner.execute(StepPlan(chunks, (), (), next_tokens), propose=False)
 
 
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+    """[batch, length] token ids from a fixed seed, past the special tokens (ids 0-2)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=gen)
+
+
 def code_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
     """Prompts from held-out code (the Python standard library's held-out files, which the shipped model
     never trained on): each starts at a top-level `def` line and is cut to `prompt_tokens` tokens."""

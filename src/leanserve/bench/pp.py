@@ -14,9 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-
-from leanserve.bench.common import code_prompts
+from leanserve.bench.common import code_prompts, random_prompts
 
 ARMS = ("pp1", "serial", "overlap")
 
@@ -96,9 +94,7 @@ def _prompts(llm, count: int, length: int) -> list[list[int]]:
     """Held-out code; for a checkpoint without a tokenizer, token ids from a fixed seed."""
     if llm.engine.tokenizer is not None:
         return code_prompts(llm.engine.tokenizer, count, length)
-    vocab = llm.engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
+    return random_prompts(count, length, llm.engine.model_config.vocab_size, seed=0).tolist()
 
 
 def _round(llm, prompts: list[dict], params) -> tuple[float, list[float], list]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from leanserve.bench.common import timed
+from leanserve.bench.common import random_prompts, timed
 
 
 @dataclass
@@ -38,11 +38,6 @@ THROUGHPUT_HEADERS = {
     "speedup": "speedup",
     "identical_sequences": "same tokens",
 }
-
-
-def _prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (batch, length), generator=gen)
 
 
 def throughput(
@@ -95,12 +90,12 @@ def _throughput(
         dt, outs = timed(llm.generate, [{"prompt_token_ids": row} for row in ids.tolist()], params)
         return dt, [o.outputs[0].token_ids for o in outs]
 
-    warm = _prompts(1, prompt_len, vocab, seed + 999)
+    warm = random_prompts(1, prompt_len, vocab, seed + 999)
     run_hf(warm)
     run_lean(warm)
     rows = []
     for batch in batch_sizes:
-        ids = _prompts(batch, prompt_len, vocab, seed + batch)
+        ids = random_prompts(batch, prompt_len, vocab, seed + batch)
         lean_times, hf_times = [], []
         for r in range(repeats):
             order = (run_lean, run_hf) if r % 2 == 0 else (run_hf, run_lean)
