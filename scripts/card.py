@@ -192,22 +192,24 @@ EVERYDAY_MAX_TOKENS = 64
 REPEAT_SPAN = 8  # a completion repeats itself when some span of this many tokens occurs three times
 
 
-def complete(model_dir: str, prompts: list[str], max_tokens: int) -> list[dict[str, Any]]:
-    """Greedy completions through leanserve.LLM, with the settings `leanserve generate` uses."""
+def complete(model_dir: str, requests: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Greedy completions of (prompt, max_tokens) through one leanserve.LLM, with the settings `leanserve
+    generate` uses."""
     from leanserve import LLM, SamplingParams
 
     with LLM(model=model_dir, max_num_seqs=1, load_progress=False) as llm:
-        outs = [llm.generate(p, SamplingParams(temperature=0.0, max_tokens=max_tokens))[0] for p in prompts]
+        outs = [llm.generate(p, SamplingParams(temperature=0.0, max_tokens=n))[0] for p, n in requests]
     return [
         {
             "prompt": prompt,
+            "max_tokens": max_tokens,
             "text": out.outputs[0].text,
             "token_ids": list(out.outputs[0].token_ids),
             "prompt_tokens": len(out.prompt_token_ids),
             "generated_tokens": len(out.outputs[0].token_ids),
             "finish_reason": out.outputs[0].finish_reason,
         }
-        for prompt, out in zip(prompts, outs, strict=True)
+        for (prompt, max_tokens), out in zip(requests, outs, strict=True)
     ]
 
 
@@ -511,8 +513,9 @@ def write_card(
         figures, source = summary.get("heldout"), "train_summary.json"
     name = model_dir.resolve().name
     plot_loss_curve(records, model_dir / "loss_curve.png", f"{name}: training loss", log_x, figures)
-    example = {**complete(model_arg, [prompt], max_tokens)[0], "max_tokens": max_tokens}
-    everyday = complete(model_arg, list(EVERYDAY_PROMPTS), EVERYDAY_MAX_TOKENS)
+    example, *everyday = complete(
+        model_arg, [(prompt, max_tokens)] + [(p, EVERYDAY_MAX_TOKENS) for p in EVERYDAY_PROMPTS]
+    )
 
     kinds = ", ".join(ATTENTION_NAMES[k] for k in ATTENTION_NAMES if k in cfg.layer_types)
     moe = " and ".join(name for k, name in ROUTING_NAMES.items() if k in cfg.mlp_layer_types)
