@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leanserve.config import ModelConfig
+from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from leanserve.make_random import make_random
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.cache import CacheGeometry
@@ -75,6 +75,43 @@ def make_ckpt(tmp_path_factory) -> Callable[..., Path]:
         if name not in made:
             made[name] = make_random(tmp_path_factory.mktemp(name), preset, seed, dtype, **overrides)
         return made[name]
+
+    return make
+
+
+# Five layers of the tiny preset (sliding, CSA, HCA, CSA, sliding; hash MoE first): a split over 2 or 3 pipeline
+# stages puts every kind of layer somewhere.
+FIVE_LAYERS = dict(
+    num_hidden_layers=5,
+    layer_types=(SLIDING, CSA, HCA, CSA, SLIDING),
+    mlp_layer_types=(HASH_MOE, MOE, MOE, MOE, MOE),
+)
+
+
+@pytest.fixture(scope="session")
+def ckpt5(make_ckpt) -> Path:
+    return make_ckpt("tiny5", index_n_heads=16, **FIVE_LAYERS)
+
+
+@pytest.fixture(scope="session")
+def perturbed_head(tmp_path_factory) -> Callable[..., Path]:
+    """perturbed_head(src, scale, seed) -> a copy of checkpoint `src` whose head has Gaussian noise of `scale`
+    times its std added: a draft model that agrees with `src` on some tokens and not on others."""
+
+    def make(src: Path, scale: float, seed: int) -> Path:
+        import shutil
+
+        from safetensors.torch import load_file, save_file
+
+        out = tmp_path_factory.mktemp(f"{src.name}-draft")
+        for f in src.iterdir():
+            shutil.copy(f, out / f.name)
+        tensors = load_file(out / "model.safetensors")
+        head = next(n for n in tensors if n.endswith("head.weight") and "mtp" not in n)
+        g = torch.Generator().manual_seed(seed)
+        tensors[head] = tensors[head] + scale * tensors[head].std() * torch.randn(tensors[head].shape, generator=g)
+        save_file(tensors, out / "model.safetensors")
+        return out
 
     return make
 

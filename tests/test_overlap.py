@@ -6,24 +6,17 @@ in the ledger, one per micro-batch in flight."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from leanserve import LLM, SamplingParams
-from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from leanserve.engine.pipeline import StageFailure
 from leanserve.memory import PIPELINE
 
 MAX_LEN = 160
-FIVE = dict(
-    num_hidden_layers=5, layer_types=(SLIDING, CSA, HCA, CSA, SLIDING), mlp_layer_types=(HASH_MOE,) + (MOE,) * 4
-)
 # Six requests for four slots, finishing after different numbers of tokens: two wait, and join while other
 # micro-batches are in flight; the long prompts are prefilled in chunks (max_num_batched_tokens 48).
 PROMPT_LENGTHS = (3, 40, 17, 75, 9, 30)
@@ -41,8 +34,8 @@ def engine(ckpt: Path, **kwargs) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def ckpt(make_ckpt) -> Path:
-    return make_ckpt("overlap5", index_n_heads=16, **FIVE)
+def ckpt(ckpt5) -> Path:
+    return ckpt5
 
 
 @pytest.fixture(scope="module")
@@ -146,17 +139,8 @@ def test_a_request_aborted_in_flight_leaves_the_others_unchanged(ckpt, prompts, 
 
 
 @pytest.fixture(scope="module")
-def draft(ckpt, tmp_path_factory) -> Path:
-    # The target with a perturbed head: it agrees with the target on some tokens and not on others.
-    out = tmp_path_factory.mktemp("overlap-draft")
-    for f in ckpt.iterdir():
-        shutil.copy(f, out / f.name)
-    tensors = load_file(out / "model.safetensors")
-    head = next(n for n in tensors if n.endswith("head.weight") and "mtp" not in n)
-    g = torch.Generator().manual_seed(1)
-    tensors[head] = tensors[head] + 0.5 * tensors[head].std() * torch.randn(tensors[head].shape, generator=g)
-    save_file(tensors, out / "model.safetensors")
-    return out
+def draft(ckpt, perturbed_head) -> Path:
+    return perturbed_head(ckpt, 0.5, seed=1)
 
 
 @pytest.mark.parametrize("pp", [2, 3])

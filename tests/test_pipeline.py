@@ -14,18 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FIVE_LAYERS
 from leanserve import LLM, SamplingParams
-from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError
+from leanserve.config import ConfigError
 from leanserve.engine.pipeline import StageFailure
 from leanserve.engine.topology import PipelineTopology
 from leanserve.make_random import preset_config
 
 MAX_LEN = 160
-FIVE_LAYERS = dict(
-    num_hidden_layers=5,
-    layer_types=(SLIDING, CSA, HCA, CSA, SLIDING),
-    mlp_layer_types=(HASH_MOE, MOE, MOE, MOE, MOE),
-)
 # Lengths that cross the sliding window (16), CSA (4) and HCA (16) boundaries of the tiny preset, with
 # max_num_batched_tokens 48 so the long ones are prefilled in chunks over several steps.
 PROMPT_LENGTHS = (3, 17, 40, 75)
@@ -47,11 +43,6 @@ def child_pids() -> set[int]:
 def engine(ckpt: Path, **kwargs) -> LLM:
     kwargs.setdefault("max_num_seqs", 4)
     return LLM(str(ckpt), max_model_len=MAX_LEN, max_num_batched_tokens=48, load_progress=False, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def ckpt5(make_ckpt) -> Path:
-    return make_ckpt("tiny5", index_n_heads=16, **FIVE_LAYERS)
 
 
 @pytest.fixture(scope="module")

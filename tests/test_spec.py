@@ -5,16 +5,14 @@ leave no trace, and the metrics add up."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from leanserve import LLM, SamplingParams
 from leanserve.cli import main
-from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError
+from leanserve.config import ConfigError
 from leanserve.engine.proposers import NgramProposer, Proposer
 from leanserve.engine.runner import SampleSpec, StepPlan
 from leanserve.engine.sampler import STREAM_DRAFT, Sampler, _exponentials
@@ -80,27 +78,14 @@ def test_greedy_mtp_through_a_pipeline(shipped_reference):
 
 # A random checkpoint and a draft model made from it with a perturbed head: the draft agrees with the target
 # on some tokens and not on others.
-FIVE = dict(
-    num_hidden_layers=5, layer_types=(SLIDING, CSA, HCA, CSA, SLIDING), mlp_layer_types=(HASH_MOE,) + (MOE,) * 4
-)
+@pytest.fixture(scope="module")
+def target5(ckpt5) -> Path:
+    return ckpt5
 
 
 @pytest.fixture(scope="module")
-def target5(make_ckpt) -> Path:
-    return make_ckpt("spec-target5", index_n_heads=16, **FIVE)
-
-
-@pytest.fixture(scope="module")
-def draft5(target5, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("spec-draft5")
-    for f in target5.iterdir():
-        shutil.copy(f, out / f.name)
-    tensors = load_file(out / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    head = next(n for n in tensors if n.endswith("head.weight") and "mtp" not in n)
-    tensors[head] = tensors[head] + 0.6 * tensors[head].std() * torch.randn(tensors[head].shape, generator=g)
-    save_file(tensors, out / "model.safetensors")
-    return out
+def draft5(target5, perturbed_head) -> Path:
+    return perturbed_head(target5, 0.6, seed=0)
 
 
 @pytest.fixture(scope="module")
