@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from leanserve import LLM, SamplingParams
+from leanserve.engine.channel import PipeChannel
 from leanserve.engine.pipeline import StageFailure
 from leanserve.memory import PIPELINE
 
@@ -107,6 +108,7 @@ def check(reference, out, skip=()) -> None:
 @pytest.mark.parametrize("pp", [2, 3])
 def test_micro_batches_in_flight_give_one_stages_tokens(ckpt, prompts, reference, pp):
     with engine(ckpt, pipeline_parallel_size=pp) as llm:
+        assert isinstance(llm.engine.executor.channel, PipeChannel)  # (stages spawned on this machine)
         seen = spy_on_schedule(llm)
         check(reference, drive(llm, prompts, PARAMS))
         # Micro-batches were launched while others were in flight, each with a share of the requests.

@@ -1,6 +1,18 @@
 """Point-to-point messages between pipeline stages, none of which waits on a stage's compute.
 
-A `Channel` is a process group of the engine's own (gloo; streams over nccl on CUDA). Gloo completes a send
+Two transports with one interface (`post_obj`, `post_streams`, `send_obj`, `recv_obj`, `recv_streams`,
+`mailbox`): `PipeChannel` for stages on one machine that the engine spawned itself, `Channel` (gloo) for
+stages on other machines (torchrun) or on GPUs.
+
+`PipeChannel`: one OS pipe per direction and kind of message (control objects; streams), created by the
+driver before it spawns the stages, each process holding only its own ends. A send is a write into the pipe's
+kernel buffer (1 MiB where the system allows): it returns at once without any other thread having to run,
+which matters when every core is busy computing (a gloo transfer needs the sender's I/O thread to be scheduled
+once the receiver has posted its receive: a millisecond or more on a busy core). A receive reads the bytes
+straight into its tensor. A peer that died closes its ends: reads see end-of-file, writes a broken pipe, both
+raised as RuntimeError("Connection closed ...").
+
+`Channel`: a process group of the engine's own (gloo; streams over nccl on CUDA). Gloo completes a send
 only once the peer has posted the matching receive, so every send here is posted without waiting (`Outbox`
 keeps each send's tensors alive until it completes), and a stage posts the receive of its next message
 before it computes the current one (`Mailbox`), so the message lands while it works. A control object
@@ -10,7 +22,11 @@ second message of exact size). Messages between two stages on one tag arrive in 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
+import select
+import struct
 from collections import deque
 
 import torch
@@ -119,3 +135,152 @@ class Outbox:
         while self._pending:
             work, _ = self._pending.popleft()
             work.wait()
+
+
+# --- one machine: OS pipes ---------------------------------------------------------------------------------
+PIPE_BYTES = 1 << 20  # each pipe's kernel buffer, where the system allows it (Linux's default is 64 KiB)
+
+
+class Links:
+    """The pipe ends one process holds: obj_in / obj_out / data_in / data_out, each peer rank -> fd. Made by
+    `Links.create` in the driver for every stage; a stage gets its own as a string (`encode` / `decode`)."""
+
+    KINDS = ("obj_in", "obj_out", "data_in", "data_out")
+
+    def __init__(self, fds: dict[str, dict[int, int]] | None = None) -> None:
+        self.fds = fds or {k: {} for k in self.KINDS}
+
+    @classmethod
+    def create(cls, num_stages: int) -> list[Links]:
+        """Every stage's ends: control objects between stage 0 and each other stage both ways, streams from each
+        stage to the next."""
+        links = [cls() for _ in range(num_stages)]
+
+        def pipe(kind: str, src: int, dst: int) -> None:
+            r, w = os.pipe()
+            for fd in (r, w):
+                _grow(fd)
+            links[dst].fds[f"{kind}_in"][src] = r
+            links[src].fds[f"{kind}_out"][dst] = w
+
+        for rank in range(1, num_stages):
+            pipe("obj", 0, rank)
+            pipe("obj", rank, 0)
+        for rank in range(num_stages - 1):
+            pipe("data", rank, rank + 1)
+        return links
+
+    def all_fds(self) -> list[int]:
+        return [fd for kind in self.KINDS for fd in self.fds[kind].values()]
+
+    def close(self) -> None:
+        for fd in self.all_fds():
+            os.close(fd)
+        self.fds = {k: {} for k in self.KINDS}
+
+    def encode(self) -> str:
+        return ",".join(f"{kind}:{peer}:{fd}" for kind in self.KINDS for peer, fd in self.fds[kind].items())
+
+    @classmethod
+    def decode(cls, text: str) -> Links:
+        links = cls()
+        for item in filter(None, text.split(",")):
+            kind, peer, fd = item.split(":")
+            links.fds[kind][int(peer)] = int(fd)
+        return links
+
+
+def _grow(fd: int) -> None:
+    fcntl = __import__("fcntl")
+    if hasattr(fcntl, "F_SETPIPE_SZ"):
+        with contextlib.suppress(OSError):  # (above the system's pipe-max-size: keep the default)
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+
+
+class PipeChannel:
+    """Control objects and stream tensors over this process's pipe ends (`Links`)."""
+
+    def __init__(self, links: Links) -> None:
+        self.links = links
+
+    def _fd(self, kind: str, peer: int) -> int:
+        try:
+            return self.links.fds[kind][peer]
+        except KeyError:
+            raise RuntimeError(f"no {kind} pipe with stage {peer}") from None
+
+    # --- sends ------------------------------------------------------------------------------------------
+    def post_obj(self, obj: object, *dsts: int) -> None:
+        payload = pickle.dumps(obj)
+        message = struct.pack("<q", len(payload)) + payload
+        for dst in dsts:
+            _write(self._fd("obj_out", dst), memoryview(message), dst)
+
+    def post_streams(self, streams: torch.Tensor, dst: int) -> None:
+        data = _as_bytes(streams.contiguous()).numpy()
+        _write(self._fd("data_out", dst), memoryview(struct.pack("<q", data.nbytes)), dst)
+        _write(self._fd("data_out", dst), memoryview(data).cast("B"), dst)
+
+    def send_obj(self, obj: object, *dsts: int) -> None:
+        self.post_obj(obj, *dsts)  # (a pipe's write is complete once it returns)
+
+    # --- receives ---------------------------------------------------------------------------------------
+    def mailbox(self, src: int) -> PipeMailbox:
+        return PipeMailbox(self._fd("obj_in", src), src)
+
+    def recv_obj(self, src: int) -> object:
+        return self.mailbox(src).take()
+
+    def recv_streams(self, into: torch.Tensor, src: int) -> StreamsRead:
+        return StreamsRead(self._fd("data_in", src), into, src)
+
+
+class PipeMailbox:
+    """The next control object from one peer: `take()` reads it (waiting if it has not come), `ready()` says
+    whether it has begun to arrive."""
+
+    def __init__(self, fd: int, src: int) -> None:
+        self.fd, self.src = fd, src
+
+    def ready(self) -> bool:
+        return bool(select.select([self.fd], [], [], 0)[0])
+
+    def take(self, post_next: bool = True) -> object:
+        size = struct.unpack("<q", _read(self.fd, 8, self.src))[0]
+        return pickle.loads(_read(self.fd, size, self.src))
+
+
+class StreamsRead:
+    """A step's streams, read into `into` on `wait()` (until then they wait in the pipe)."""
+
+    def __init__(self, fd: int, into: torch.Tensor, src: int) -> None:
+        self.fd, self.into, self.src = fd, into, src
+
+    def wait(self) -> None:
+        size = struct.unpack("<q", _read(self.fd, 8, self.src))[0]
+        view = memoryview(_as_bytes(self.into).numpy()).cast("B")
+        if size != view.nbytes:
+            raise RuntimeError(f"stage {self.src} sent {size} bytes of streams where {view.nbytes} were expected")
+        _read_into(self.fd, view, self.src)
+
+
+def _write(fd: int, data: memoryview, peer: int) -> None:
+    try:
+        while data.nbytes:
+            data = data[os.write(fd, data) :]
+    except (BrokenPipeError, ConnectionResetError):
+        raise RuntimeError(f"Connection closed by stage {peer} (its pipe is broken)") from None
+
+
+def _read(fd: int, size: int, peer: int) -> bytes:
+    buf = bytearray(size)
+    _read_into(fd, memoryview(buf), peer)
+    return bytes(buf)
+
+
+def _read_into(fd: int, view: memoryview, peer: int) -> None:
+    while view.nbytes:
+        n = os.readv(fd, [view])
+        if n == 0:
+            raise RuntimeError(f"Connection closed by stage {peer} (end of its pipe)")
+        view = view[n:]

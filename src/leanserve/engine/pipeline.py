@@ -5,8 +5,9 @@ the StepPlan to every other stage, runs its own layers and posts the residual st
 takes the streams from stage i-1 and posts its own to i+1; the last stage samples and posts the tokens back
 to stage 0. With overlap up to N micro-batches (disjoint sets of requests) are in flight at once, and every
 stage works on one while the next one's messages land (engine/channel.py): nothing a stage sends or receives
-waits on its compute. Messages go over a process group of the engine's own, built from a TCP store,
-so two engines in one process or on one machine never share state.
+waits on its compute. Stages the driver spawned on this machine (CPU) talk over pipes it made for them;
+under torchrun, or on GPUs, messages go over a process group of the engine's own, built from a TCP store.
+Either way two engines in one process or on one machine never share state.
 
 Launch: on one machine the driver starts a TCP store on a free port and spawns the other stages as
 processes running this module's main(); under `torchrun` every rank runs the same program and rendezvous
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from leanserve.config import EngineConfig, ModelConfig
-from leanserve.engine.channel import Channel
+from leanserve.engine.channel import Channel, Links, PipeChannel
 from leanserve.engine.runner import IntermediateStreams, SeqOutput, StageInfo, StageRunner, StepPlan
 from leanserve.engine.topology import PipelineTopology
 from leanserve.errors import StageFailure
@@ -103,6 +104,7 @@ class PipelineDriver:
         self.num_stages = n = spec.topology.num_stages
         self.procs: dict[int, subprocess.Popen] = {}
         self.dead: str | None = None
+        self._links: Links | None = None  # this process's pipe ends, when the stages talk over pipes
         if in_torchrun():
             store, rank, world = _env_rendezvous()
             if world != n or rank != 0:
@@ -114,12 +116,15 @@ class PipelineDriver:
                 timeout=datetime.timedelta(seconds=_START_TIMEOUT_S),
             )  # fmt: skip
             store.set("leanserve/launch", pickle.dumps(spec))
-            self._spawn(store.port)
+            self._spawn(store.port, _uses_pipes(spec.config.device))
         self._finalizer = weakref.finalize(self, _terminate, list(self.procs.values()))
         try:
             self._wait_for_stages(store)
             device = stage_device(spec.config.device, 0)
-            self.channel = Channel(store, 0, n, device, _OP_TIMEOUT)
+            if self._links is not None:
+                self.channel = PipeChannel(self._links)
+            else:
+                self.channel = Channel(store, 0, n, device, _OP_TIMEOUT)
             self.runner = StageRunner(
                 spec.model_config, spec.config, self.topology.layout(0), getattr(torch, spec.dtype),
                 spec.max_model_len, progress=progress, device=device,
@@ -134,13 +139,25 @@ class PipelineDriver:
         self.mailbox = self.channel.mailbox(n - 1)
         self._reports = 0
 
-    def _spawn(self, port: int) -> None:
+    def _spawn(self, port: int, pipes: bool) -> None:
+        links = Links.create(self.num_stages) if pipes else None
+        try:
+            self._spawn_stages(port, links)
+        finally:
+            for stage_links in (links or [])[1:]:  # (a stage's ends stay open in that stage alone: its death
+                stage_links.close()  # is then the end of its pipes)
+        self._links = links[0] if links else None
+
+    def _spawn_stages(self, port: int, links: list[Links] | None) -> None:
         for rank in range(1, self.num_stages):
             # Run through -c, not -m, so this module is imported once under its own name (pickled classes match).
             entry = "import sys; from leanserve.engine.pipeline import main; sys.exit(main())"
             cmd = [sys.executable, "-c", entry, "--port", str(port), "--rank", str(rank)]
             cmd += ["--world-size", str(self.num_stages), "--parent-pid", str(os.getpid())]
-            self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            fds = () if links is None else links[rank].all_fds()
+            if links is not None:
+                cmd += ["--links", links[rank].encode()]
+            self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=fds)
 
     def _wait_for_stages(self, store: dist.Store) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
@@ -247,6 +264,8 @@ class PipelineDriver:
                 self.channel.send_obj(Stop(), *range(1, self.num_stages))
         _terminate(list(self.procs.values()), wait_s=10.0 if graceful else 0.0)
         self._finalizer.detach()
+        if self._links is not None:
+            self._links.close()
 
 
 def _terminate(procs: list[subprocess.Popen], wait_s: float = 0.0) -> None:
@@ -275,13 +294,19 @@ def _env_rendezvous() -> tuple[dist.Store, int, int]:
 
 
 # --- the other stages ---------------------------------------------------------------------------------
-def run_stage(store: dist.Store, rank: int, world: int) -> int:
-    """Serves stage `rank` until stage 0 says stop (0) or goes away (_PEER_LOST); a failure of its own exits 1."""
+def _uses_pipes(device: str) -> bool:
+    """Whether spawned stages talk over pipes: on the CPU (GPU stages' streams go over NCCL)."""
+    return not device.startswith("cuda")
+
+
+def run_stage(store: dist.Store, rank: int, world: int, links: Links | None = None) -> int:
+    """Serves stage `rank` until stage 0 says stop (0) or goes away (_PEER_LOST); a failure of its own exits 1.
+    `links`: its pipe ends, when the driver spawned it with pipes (else the stages build a gloo channel)."""
     spec: LaunchSpec = pickle.loads(store.get("leanserve/launch"))
     torch.set_num_threads(spec.num_threads)
     device = stage_device(spec.config.device, rank)
     store.set(f"leanserve/hello/{rank}", str(os.getpid()))
-    channel = Channel(store, rank, world, device, _OP_TIMEOUT)
+    channel = PipeChannel(links) if links is not None else Channel(store, rank, world, device, _OP_TIMEOUT)
     layout = spec.topology.layout(rank)
     try:
         runner = StageRunner(
@@ -358,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--links", default=None, help="this stage's pipe ends (kind:peer:fd,...), set by the driver")
     args = p.parse_args(argv)
     if args.parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
@@ -365,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         args.host, args.port, args.world_size, is_master=False, timeout=datetime.timedelta(seconds=_START_TIMEOUT_S)
     )
     try:
-        return run_stage(store, args.rank, args.world_size)
+        return run_stage(store, args.rank, args.world_size, Links.decode(args.links) if args.links else None)
     except Exception:
         traceback.print_exc()
         print(f"leanserve: pipeline stage {args.rank} failed.", file=sys.stderr)
