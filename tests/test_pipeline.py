@@ -3,6 +3,7 @@ that die stop the engine with an error naming them and leave no processes behind
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -16,10 +17,13 @@ import pytest
 
 from conftest import FIVE_LAYERS
 from leanserve import LLM, SamplingParams
-from leanserve.config import ConfigError
+from leanserve.config import ConfigError, ModelConfig
+from leanserve.engine.costs import stage_costs
 from leanserve.engine.pipeline import StageFailure
-from leanserve.engine.topology import PipelineTopology
+from leanserve.engine.topology import PipelineTopology, balanced
 from leanserve.make_random import preset_config
+
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "dsv4-stdlib-12l"
 
 MAX_LEN = 160
 # Lengths that cross the sliding window (16), CSA (4) and HCA (16) boundaries of the tiny preset, with
@@ -79,7 +83,25 @@ def assert_same(reference: list, got: list) -> None:
 
 
 # --- the split ----------------------------------------------------------------------------------------
-def test_layers_split_evenly_with_the_remainder_off_the_last_stage():
+def test_the_default_split_balances_what_a_decode_token_reads_on_each_stage():
+    # The shipped model's head is read by a decode token as much as 2.4 of its layers: the last stage, which
+    # holds it, takes fewer layers, and no other split has a smaller largest stage.
+    cfg = ModelConfig.from_hf(SHIPPED)
+    layers, tail = stage_costs(cfg)
+    assert 2 < tail / max(layers) < 3
+    for stages in (2, 3, 4):
+        counts = PipelineTopology.build(cfg, stages).layer_counts
+        assert sum(counts) == 12 and min(counts) >= 1
+
+        def largest(split):
+            ends = list(itertools.accumulate(split, initial=0))
+            return max(sum(layers[a:b]) + (tail if b == 12 else 0) for a, b in itertools.pairwise(ends))
+
+        splits = [c for c in itertools.product(range(1, 12), repeat=stages) if sum(c) == 12]
+        assert largest(counts) == min(largest(c) for c in splits)
+    assert PipelineTopology.build(cfg, 2).layer_counts == (7, 5)
+    # Equal costs and nothing besides: the even split, the remainder on the earliest stages.
+    assert balanced([1] * 5, 0, 2) == (3, 2) and balanced([1] * 7, 0, 3) == (3, 2, 2)
     cfg = preset_config("tiny", **FIVE_LAYERS)
     assert PipelineTopology.build(cfg, 2).layer_counts == (3, 2)
     assert PipelineTopology.build(cfg, 3).layer_counts == (2, 2, 1)

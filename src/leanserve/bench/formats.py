@@ -73,26 +73,19 @@ class TokenBytes:
 
 
 def token_bytes(cfg: ModelConfig, published: bool) -> TokenBytes:
-    """TokenBytes of `cfg` (plain weights: bf16) or of its published form, from the model's tensors (built on the
-    meta device) in the dtypes the checkpoints store them in (quantize.py: FP8 / FP4 bytes; float32 for mHC, sinks,
-    compressor position biases and router biases; bf16 for every other float)."""
-    from leanserve.engine.topology import PipelineTopology
-    from leanserve.model.deepseek_v4 import DeepseekV4
-    from leanserve.quantize import _float_dtype, quantized_config
+    """TokenBytes of `cfg` (plain weights: bf16) or of its published form (engine/costs.token_read_bytes)."""
+    from leanserve.engine.costs import token_read_bytes
+    from leanserve.quantize import quantized_config
 
     cfg = quantized_config(cfg) if published else dataclasses.replace(cfg, quantization=None)
-    with torch.device("meta"):
-        model = DeepseekV4(cfg, 1, PipelineTopology.build(cfg, 1).layout(0), with_mtp=False)
     dense = experts = head = embed = 0
-    for name, t in model.state_dict().items():
-        size = t.element_size() if t.element_size() == 1 or not t.is_floating_point() else _float_dtype(name).itemsize
-        nbytes = t.numel() * size
+    for name, nbytes in token_read_bytes(cfg).items():
         if ".experts." in name:
-            experts += nbytes * cfg.num_experts_per_tok // cfg.n_routed_experts
+            experts += nbytes
         elif name == "head.weight":
             head += nbytes
-        elif name == "embed.weight" or name.endswith("tid2eid"):  # one row per token
-            embed += nbytes // t.shape[0]
+        elif name == "embed.weight" or name.endswith("tid2eid"):
+            embed += nbytes
         else:
             dense += nbytes
     return TokenBytes(dense, experts, head, embed)

@@ -4,8 +4,10 @@ before any process starts, and handed to constructors; nothing asks a process gr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from leanserve.config import ConfigError, ModelConfig
+from leanserve.engine.costs import stage_costs
 from leanserve.model.deepseek_v4 import StageLayout
 
 
@@ -15,8 +17,8 @@ class PipelineTopology:
 
     @classmethod
     def build(cls, cfg: ModelConfig, num_stages: int, layer_counts: tuple[int, ...] | None = None) -> PipelineTopology:
-        """Even split, the remainder on the earliest stages (the last also carries hc_head, norm, head and the
-        MTP layer), unless `layer_counts` says otherwise."""
+        """The split that balances what a decode token reads on each stage (`balanced`; the last stage also
+        reads the final norm, hc_head and the head), unless `layer_counts` says otherwise."""
         n = cfg.num_hidden_layers  # num_stages is a positive integer (EngineConfig checks it)
         if num_stages > n:
             raise ConfigError(
@@ -24,8 +26,9 @@ class PipelineTopology:
                 "every stage needs at least one layer."
             )
         if layer_counts is None:
-            base, extra = divmod(n, num_stages)
-            return cls(tuple(base + (1 if i < extra else 0) for i in range(num_stages)))
+            if num_stages == 1:
+                return cls((n,))
+            return cls(balanced(*stage_costs(cfg), num_stages))
         counts = tuple(layer_counts)
         if len(counts) != num_stages:
             raise ConfigError(
@@ -54,3 +57,38 @@ class PipelineTopology:
             is_last=stage == self.num_stages - 1,
             index=stage,
         )
+
+
+def balanced(layer_costs: list[int], tail: int, num_stages: int) -> tuple[int, ...]:
+    """Layers per stage, each stage at least one, contiguous, minimising the largest stage's cost (the sum of
+    its layers' costs, plus `tail` on the last stage); among the splits that reach it, the one with the
+    smallest sum of squared stage costs, then the one with more layers on the earliest stages (equal costs and
+    no tail: the even split, the remainder first)."""
+    n = len(layer_costs)
+    ends = [0]
+    for c in layer_costs:
+        ends.append(ends[-1] + c)
+
+    def cost(i: int, j: int) -> int:  # layers [i, j), and the tail when they end the model
+        return ends[j] - ends[i] + (tail if j == n else 0)
+
+    @cache
+    def best(i: int, k: int) -> int:  # the smallest largest cost of layers [i, n) over k stages
+        if k == 1:
+            return cost(i, n)
+        return min(max(cost(i, j), best(j, k - 1)) for j in range(i + 1, n - k + 2))
+
+    most = best(0, num_stages)
+
+    @cache
+    def spread(i: int, k: int) -> tuple[float, tuple[int, ...]]:  # (sum of squared stage costs, -counts) at best
+        if k == 1:
+            return (cost(i, n) ** 2, (i - n,)) if cost(i, n) <= most else (float("inf"), ())
+        options = []
+        for j in range(i + 1, n - k + 2):
+            if cost(i, j) <= most:
+                sq, rest = spread(j, k - 1)
+                options.append((cost(i, j) ** 2 + sq, (i - j, *rest)))
+        return min(options)
+
+    return tuple(-c for c in spread(0, num_stages)[1])

@@ -1,0 +1,50 @@
+"""What one decode token reads of each weight: the measure by which the pipeline's default split balances the
+stages (engine/topology.py) and `bench formats` states a step's bytes.
+
+At decode a step is bound by reading weights, so a token's cost in a part of the model is the bytes of that part
+it reads: every dense tensor of a block (attention, indexer, compressors, norms, mHC, router, shared expert),
+the top-k of its routed experts (k / E of the layer's expert bytes, scales included), one embedding row (and one
+hash-routing row), the final norm, hc_head and the whole head. Bytes are as the checkpoint stores them: FP8 /
+FP4 with their scales when the config says so, float32 for mHC, sinks, compressor position biases and router
+biases, bfloat16 for every other float.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from leanserve.config import ModelConfig
+
+
+def token_read_bytes(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter / buffer name -> the bytes one decode token reads of it, from the model's tensors built on the
+    meta device (every layer, no MTP layer)."""
+    from leanserve.model.deepseek_v4 import DeepseekV4, StageLayout
+    from leanserve.quantize import _float_dtype
+
+    layout = StageLayout(first_layer=0, end_layer=cfg.num_hidden_layers, is_first=True, is_last=True, index=0)
+    with torch.device("meta"):
+        model = DeepseekV4(cfg, 1, layout, with_mtp=False)
+    out = {}
+    for name, t in model.state_dict().items():
+        size = t.element_size() if t.element_size() == 1 or not t.is_floating_point() else _float_dtype(name).itemsize
+        nbytes = t.numel() * size
+        if ".experts." in name:
+            nbytes = nbytes * cfg.num_experts_per_tok // cfg.n_routed_experts
+        elif name == "embed.weight" or name.endswith("tid2eid"):  # one row per token
+            nbytes //= t.shape[0]
+        out[name] = nbytes
+    return out
+
+
+def stage_costs(cfg: ModelConfig) -> tuple[list[int], int]:
+    """(each layer's bytes per decode token, what the last stage reads besides its layers: final norm, hc_head
+    and head). The embedding row, on the first stage, is left out: a lookup, not a pass over a matrix."""
+    layers = [0] * cfg.num_hidden_layers
+    tail = 0
+    for name, nbytes in token_read_bytes(cfg).items():
+        if name.startswith("layers."):
+            layers[int(name.split(".")[1])] += nbytes
+        elif not name.startswith("embed.") and not name.startswith("rotary"):
+            tail += nbytes
+    return layers, tail
