@@ -503,21 +503,36 @@ def _linear(x, ws, outs):  # pragma: no cover - compiled
 linear = Threaded(_linear, min_work=1 << 18)
 
 
+class Matmuls:
+    """x [T, in] @ w^T for each of `weights` ([out, in] float32, bfloat16 bits, or an Fp8Weight of numpy views),
+    one kernel call per format, the calls worked out once (a decode plan keeps one per linear it runs):
+    `matmuls(x)` -> new float32 arrays [T, out], one per weight."""
+
+    def __init__(self, weights: tuple) -> None:
+        self.widths = tuple([w.shape[0] for w in weights])
+        groups: dict = {}
+        for i, w in enumerate(weights):
+            groups.setdefault("fp8" if isinstance(w, Fp8Weight) else w.dtype, []).append(i)
+        self.calls = []  # (kernel, multiply-adds per row, its weight arguments, the outputs it writes)
+        for kind, idx in groups.items():
+            ws = [weights[i] for i in idx]
+            work = sum([w.shape[0] * w.shape[1] for w in ws])
+            if kind == "fp8":
+                self.calls.append((linear_fp8, work, (tuple([w.q for w in ws]), tuple([w.scale for w in ws])), idx))
+            else:
+                self.calls.append((linear, work, (tuple(ws),), idx))
+
+    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, ...]:
+        n = x.shape[0]
+        outs = tuple([np.empty((n, w), dtype=np.float32) for w in self.widths])
+        for kernel, work, args, idx in self.calls:
+            kernel(n * work, x, *args, tuple([outs[i] for i in idx]) if len(idx) < len(outs) else outs)
+        return outs
+
+
 def matmuls(x: np.ndarray, weights: tuple) -> tuple[np.ndarray, ...]:
-    """x [T, in] @ w^T for each weight [out, in] (float32, bfloat16 bits, or an Fp8Weight of numpy views), in
-    one call per format: new float32 arrays."""
-    outs = tuple([np.empty((x.shape[0], w.shape[0]), dtype=np.float32) for w in weights])
-    groups: dict = {}
-    for i, w in enumerate(weights):
-        groups.setdefault("fp8" if isinstance(w, Fp8Weight) else w.dtype, []).append(i)
-    for kind, idx in groups.items():
-        ws, os_ = [weights[i] for i in idx], tuple([outs[i] for i in idx])
-        work = x.shape[0] * sum([w.shape[0] * w.shape[1] for w in ws])
-        if kind == "fp8":
-            linear_fp8(work, x, tuple([w.q for w in ws]), tuple([w.scale for w in ws]), os_)
-        else:
-            linear(work, x, tuple(ws), os_)
-    return outs
+    """Matmuls(weights)(x), for a call made once."""
+    return Matmuls(weights)(x)
 
 
 def _grouped_linear(x, w, out):  # pragma: no cover - compiled

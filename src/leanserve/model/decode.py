@@ -99,17 +99,21 @@ def attend_arrays(w: AttentionWeights, q, ring, new_kv, group, most: int, visibl
     )  # fmt: skip
 
 
-def moe_arrays(x: np.ndarray, input_ids: np.ndarray, w: MoEWeights) -> np.ndarray:
+def moe_arrays(x: np.ndarray, input_ids: np.ndarray, w: MoEWeights, args: tuple | None = None) -> np.ndarray:
     """The whole MoE as one compiled call: x, out [T, hidden] float32 (experts plain, FP4 or FP8; the shared
-    expert plain or FP8)."""
+    expert plain or FP8). `args`: moe_args(w), as a Plan keeps them."""
     out = np.empty_like(x)
-    bias = ck.EMPTY if w.bias is None else w.bias
-    table = NO_TABLE if w.tid2eid is None else w.tid2eid
-    ck.moe_tokens(
-        x.shape[0], x, input_ids, w.gate, bias, table, w.top_k, SCORING[w.scoring], w.route_scale, *ck.stored(w.w13),
-        *ck.stored(w.w2), *ck.stored(w.shared_w1), *ck.stored(w.shared_w3), *ck.stored(w.shared_w2), w.limit, out,
-    )  # fmt: skip
+    ck.moe_tokens(x.shape[0], x, input_ids, *(args or moe_args(w)), out)
     return out
+
+
+def moe_args(w: MoEWeights) -> tuple:
+    """The MoE kernel's weight arguments, in its order."""
+    return (
+        w.gate, ck.EMPTY if w.bias is None else w.bias, NO_TABLE if w.tid2eid is None else w.tid2eid, w.top_k,
+        SCORING[w.scoring], w.route_scale, *ck.stored(w.w13), *ck.stored(w.w2), *ck.stored(w.shared_w1),
+        *ck.stored(w.shared_w3), *ck.stored(w.shared_w2), w.limit,
+    )  # fmt: skip
 
 
 def grouped_linear_arrays(x: np.ndarray, w) -> np.ndarray:
@@ -180,6 +184,10 @@ class Plan:
         self.hc = w.attn_mix.fn.shape[1] // w.attn_mix.norm_weight.shape[0]  # streams: fn is [M, hc * hidden]
         wo_a = w.attn.wo_a  # (an FP8 one is kept as it is: grouped_linear_arrays reads its rows by group)
         self.wo_a = wo_a if isinstance(wo_a, Fp8Weight) else wo_a.reshape(w.attn.o_groups, -1, wo_a.shape[1])
+        a = w.attn  # (each linear's kernel calls, worked out once)
+        self.inputs, self.wq_b, self.wo_b = ck.Matmuls(a.inputs), ck.Matmuls((a.wq_b,)), ck.Matmuls((a.wo_b,))
+        self.idx_wq_b = ck.Matmuls((a.indexer.wq_b,)) if a.indexer is not None else None
+        self.moe_args = moe_args(w.moe)
         self.ring = cache.window_kv.numpy().reshape(-1, w.attn.head_dim)
         self.rows = cache_rows(cache)
         self.comp_rings = Rings.of(cache.comp_kv, cache.comp_gate, cache.comp_rows) if w.attn.compressor else None
@@ -234,10 +242,10 @@ def block_arrays(p: Plan, s: np.ndarray, step: Step) -> np.ndarray:
 def _attention(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
     w = p.w.attn
     n, dim = x.shape[0], w.head_dim
-    projected = ck.matmuls(x, w.inputs)
+    projected = p.inputs(x)
     q_residual = rms_norm_arrays(projected[0], w.q_norm, w.q_eps)
     angles = step.angles[w.rope_kind]
-    q = rope_arrays(ck.matmuls(q_residual, (w.wq_b,))[0].reshape(n, w.heads, dim), angles, w.eps, True, ck.EMPTY)
+    q = rope_arrays(p.wq_b(q_residual)[0].reshape(n, w.heads, dim), angles, w.eps, True, ck.EMPTY)
     kv = rope_arrays(projected[1].reshape(n, 1, dim), angles, w.eps, True, w.kv_norm).reshape(n, dim)
     src, dst = step.window
     p.ring[dst] = kv[src]
@@ -252,15 +260,15 @@ def _attention(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
             r = p.idx_rings
             compress_arrays(projected[4], projected[5], meta, r.kv, r.gate, r.rows, row_angles, True, idx.compressor)
             if most > idx.topk:  # the indexer's queries (RoPE'd, no norm) and head weights
-                iq = ck.matmuls(q_residual, (idx.wq_b,))[0].reshape(n, idx.heads, idx.head_dim)
+                iq = p.idx_wq_b(q_residual)[0].reshape(n, idx.heads, idx.head_dim)
                 iq = rope_arrays(iq, angles, 0.0, False, ck.EMPTY)
                 index_queries = iq, projected[6] * np.float32(idx.heads**-0.5)
     visible = step.visible[w.layer_type] if most else step.no_visible
     out = np.empty((n, w.heads, dim), dtype=np.float32)
     attend_arrays(w, q, p.ring, NO_NEW_KV, step.group, most, visible, *p.rows, index_queries, angles, out)
     low = grouped_linear_arrays(out.reshape(n, w.o_groups, -1), p.wo_a)
-    return ck.matmuls(low.reshape(n, -1), (w.wo_b,))[0]
+    return p.wo_b(low.reshape(n, -1))[0]
 
 
 def _moe(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
-    return moe_arrays(x, step.ids, p.w.moe)
+    return moe_arrays(x, step.ids, p.w.moe, p.moe_args)
