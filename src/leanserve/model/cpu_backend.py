@@ -101,10 +101,10 @@ class CpuBackend(TorchBackend):
         `.data` assignment)."""
         key = (id(owner), make.__name__)
         kept = self._kept.get(key)
-        if kept is None or [t.data_ptr() for t in kept[0]] != kept[1]:
+        if kept is None or list(map(torch.Tensor.data_ptr, kept[0])) != kept[1]:
             w = make()
             ts = tensors(w) if tensors is not None else [*owner.parameters(), *owner.buffers()]
-            kept = self._kept[key] = (ts, [t.data_ptr() for t in ts], numpy_views(w))
+            kept = self._kept[key] = (ts, list(map(torch.Tensor.data_ptr, ts)), numpy_views(w))
         return kept[2]
 
     def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:

@@ -180,7 +180,7 @@ class Plan:
     def __init__(self, w: BlockWeights, tensors: list[torch.Tensor], cache: LayerCache) -> None:
         self.w = w
         self.cache = cache  # (kept: plans are looked up by the cache's id)
-        self.tensors, self.ptrs = tensors, [t.data_ptr() for t in tensors]
+        self.tensors, self.ptrs = tensors, list(map(torch.Tensor.data_ptr, tensors))
         self.hc = w.attn_mix.fn.shape[1] // w.attn_mix.norm_weight.shape[0]  # streams: fn is [M, hc * hidden]
         wo_a = w.attn.wo_a  # (an FP8 one is kept as it is: grouped_linear_arrays reads its rows by group)
         self.wo_a = wo_a if isinstance(wo_a, Fp8Weight) else wo_a.reshape(w.attn.o_groups, -1, wo_a.shape[1])
@@ -194,7 +194,7 @@ class Plan:
         self.idx_rings = Rings.of(cache.idx_kv, cache.idx_gate, cache.idx_rows) if w.attn.indexer else None
 
     def current(self) -> bool:
-        return [t.data_ptr() for t in self.tensors] == self.ptrs
+        return list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
 
 
 def run_blocks(embed: np.ndarray | None, plans: list[Plan], hc: int, step: Step, streams: np.ndarray | None):
