@@ -1,9 +1,11 @@
 """`leanserve bench pp`: output tokens/s of one stage, of N stages one step at a time, and of N stages with
 N micro-batches in flight, at each concurrency, side by side in one run, with each stage's busy fraction.
 
-Every arm is one engine, loaded once and warmed up on the workload before it is timed. A round submits
-`concurrency` requests at once (held-out code prompts, greedy, `max_tokens` each, eos ignored) and waits for
-all of them; the median of `repeats` rounds is reported. A stage's busy fraction is the time it spent
+Every arm is one engine, loaded once and warmed up on the workload before it is timed; the three are loaded
+together and their rounds alternate (an idle engine's stages wait in a read, using no CPU), with this
+process's threads set to what the arm's stage 0 runs with. A round submits `concurrency` requests at once
+(held-out code prompts, greedy, `max_tokens` each, eos ignored) and waits for all of them; the median of
+`repeats` rounds is reported. A stage's busy fraction is the time it spent
 computing in a round over the round's wall time (stage 0's includes none of its scheduling): with N stages
 one step at a time they add up to at most 1; overlap is what lets each approach 1. The greedy tokens of
 every arm are compared with one stage's as a check that the work is the same.
@@ -55,7 +57,11 @@ def pp_bench(
     dtype: str = "float32",
     layer_counts: list[int] | None = None,
 ) -> list[PPRow]:
+    import torch
+
     from leanserve import LLM, SamplingParams
+    from leanserve.engine.llm_engine import stage_threads
+    from leanserve.model import cpu_kernels
 
     if stages < 2:
         raise ValueError(f"--stages must be at least 2, got {stages}.")
@@ -63,21 +69,37 @@ def pp_bench(
     common = dict(dtype=dtype, max_num_seqs=most, max_model_len=prompt_len + max_tokens + 8, load_progress=False)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     split = dict(pipeline_parallel_size=stages, pipeline_layer_counts=layer_counts)
-    arms = {"pp1": {}, "serial": dict(split, pipeline_overlap=False), "overlap": split}
-    # results[arm][concurrency] = (median tok/s, busy fractions of the median round, token ids)
-    results: dict[str, dict[int, tuple[float, list[float], list]]] = {}
-    for arm, kwargs in arms.items():  # one engine at a time: each arm has the machine's cores to itself
-        with LLM(model, **common, **kwargs) as llm:
-            prompts = [{"prompt_token_ids": p} for p in _prompts(llm, most, prompt_len)]
-            results[arm] = {}
-            for c in concurrency:
-                llm.generate(prompts[:c], params)  # warm-up at this batch shape
-                rounds = []
-                for _ in range(repeats):
-                    rounds.append(_round(llm, prompts[:c], params))
-                rounds.sort(key=lambda r: r[0])
-                tok_s, busy, tokens = rounds[len(rounds) // 2]
-                results[arm][c] = (tok_s, busy, tokens)
+    full = torch.get_num_threads()
+    share = stage_threads(full, stages)
+
+    def threads_of(arm: str) -> None:  # this process's threads as the arm's engine runs them (stage 0: its share)
+        torch.set_num_threads(full if arm == "pp1" else share)
+        cpu_kernels.limit_threads(None if arm == "pp1" else share)
+
+    engines = {}
+    try:
+        for arm, kwargs in (("pp1", {}), ("serial", dict(split, pipeline_overlap=False)), ("overlap", split)):
+            threads_of("pp1")
+            engines[arm] = LLM(model, **common, **kwargs)
+        prompts = [{"prompt_token_ids": p} for p in _prompts(engines["pp1"], most, prompt_len)]
+        # results[arm][concurrency] = (median tok/s, busy fractions of the median round, token ids)
+        results: dict[str, dict[int, tuple[float, list[float], list]]] = {arm: {} for arm in ARMS}
+        for c in concurrency:
+            rounds: dict[str, list] = {arm: [] for arm in ARMS}
+            for arm in ARMS:  # warm-up at this batch shape
+                threads_of(arm)
+                engines[arm].generate(prompts[:c], params)
+            for r in range(repeats):  # the arms alternate, so that the machine's drift hits them alike
+                for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
+                    threads_of(arm)
+                    rounds[arm].append(_round(engines[arm], prompts[:c], params))
+            for arm in ARMS:
+                rounds[arm].sort(key=lambda r: r[0])
+                results[arm][c] = rounds[arm][len(rounds[arm]) // 2]
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+        threads_of("pp1")
     rows = []
     for c in concurrency:
         (one, _, want), (ser, ser_busy, a), (ovl, ovl_busy, b) = (results[arm][c] for arm in ARMS)

@@ -82,6 +82,12 @@ class LocalExecutor:
         pass
 
 
+def stage_threads(threads: int, num_stages: int) -> int:
+    """Each stage's threads when `num_stages` stages share a machine's `threads`: its share (more threads than
+    cores, and the threaded kernels wait on each other's busy cores)."""
+    return max(1, threads // num_stages)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
@@ -101,9 +107,7 @@ class LLMEngine:
             runner.warmup()
             self.executor: LocalExecutor | PipelineDriver = LocalExecutor(runner)
         else:
-            # The stages share this machine's cores: each gets its share (more threads than cores, and the
-            # threaded kernels wait on each other's busy cores).
-            threads = max(1, torch.get_num_threads() // self.topology.num_stages)
+            threads = stage_threads(torch.get_num_threads(), self.topology.num_stages)
             if config.device == "cpu":  # this process runs stage 0 (until shutdown)
                 self._threads_before = torch.get_num_threads()
                 torch.set_num_threads(threads)
