@@ -3,8 +3,6 @@ buffer arrive whole and in order; a peer that went away is a RuntimeError naming
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -23,25 +21,27 @@ def test_streams_larger_than_the_pipe_arrive_whole_and_in_order(pair):
     first, second, _ = pair
     big = torch.randn(3 * PIPE_BYTES // (4 * 4 * 64) + 1, 4, 64)  # (more than three pipe buffers)
     small = torch.randn(2, 4, 64).to(torch.bfloat16)
-    plan = {"step": 1, "ids": list(range(20000))}  # (a pickle larger than a pipe buffer too)
-
-    def send():
-        first.post_obj(plan, 1)
-        first.post_streams(big, 1)
-        first.post_streams(small, 1)
-
-    sender = threading.Thread(target=send)
-    sender.start()
+    plan = {"step": 1, "ids": list(range(300000))}  # (a pickle larger than a pipe buffer too)
+    # Nothing reads yet: every post returns all the same (what the pipes do not hold waits for the sender).
+    first.post_obj(plan, 1)
+    first.post_streams(big, 1)
+    first.post_streams(small, 1)
     mailbox = second.mailbox(0)
     assert mailbox.take() == plan
     got_big, got_small = torch.empty_like(big), torch.empty_like(small)
     second.recv_streams(got_big, 0).wait()
     second.recv_streams(got_small, 0).wait()
-    sender.join()
     assert torch.equal(got_big, big) and torch.equal(got_small, small)
     assert not mailbox.ready()
-    second.post_obj(("tokens", [1, 2]), 0)
-    assert first.mailbox(1).take() == ("tokens", [1, 2])
+
+
+def test_two_stages_that_both_send_more_than_a_pipe_holds_before_reading_do_not_wait_on_each_other(pair):
+    first, second, _ = pair
+    plan, tokens = list(range(300000)), list(range(300000, 600000))
+    first.post_obj(plan, 1)  # (stage 0's next plan, while the last stage sends its tokens)
+    second.post_obj(tokens, 0)
+    assert second.mailbox(0).take() == plan
+    assert first.mailbox(1).take() == tokens
 
 
 def test_a_streams_size_other_than_the_plans_is_refused(pair):

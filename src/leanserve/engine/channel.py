@@ -8,8 +8,9 @@ stages on other machines (torchrun) or on GPUs.
 driver before it spawns the stages, each process holding only its own ends. A send is a write into the pipe's
 kernel buffer (1 MiB where the system allows): it returns at once without any other thread having to run,
 which matters when every core is busy computing (a gloo transfer needs the sender's I/O thread to be scheduled
-once the receiver has posted its receive: a millisecond or more on a busy core). A receive reads the bytes
-straight into its tensor. A peer that died closes its ends: reads see end-of-file, writes a broken pipe, both
+once the receiver has posted its receive: a millisecond or more on a busy core); what a full pipe does not
+take waits for a thread of the sender's own (`PipeSender`), so no send ever waits for its receiver. A receive
+reads the bytes straight into its tensor. A peer that died closes its ends: reads see end-of-file, writes a broken pipe, both
 raised as RuntimeError("Connection closed ...").
 
 `Channel`: a process group of the engine's own (gloo; streams over nccl on CUDA). Gloo completes a send
@@ -27,6 +28,7 @@ import os
 import pickle
 import select
 import struct
+import threading
 from collections import deque
 
 import torch
@@ -202,6 +204,7 @@ class PipeChannel:
 
     def __init__(self, links: Links) -> None:
         self.links = links
+        self._senders: dict[int, PipeSender] = {}
 
     def _fd(self, kind: str, peer: int) -> int:
         try:
@@ -209,20 +212,29 @@ class PipeChannel:
         except KeyError:
             raise RuntimeError(f"no {kind} pipe with stage {peer}") from None
 
-    # --- sends ------------------------------------------------------------------------------------------
+    def _sender(self, kind: str, peer: int) -> PipeSender:
+        fd = self._fd(kind, peer)
+        sender = self._senders.get(fd)
+        if sender is None:
+            sender = self._senders[fd] = PipeSender(fd, peer)
+        return sender
+
+    # --- sends: never wait for the receiver -------------------------------------------------------------
     def post_obj(self, obj: object, *dsts: int) -> None:
         payload = pickle.dumps(obj)
-        message = struct.pack("<q", len(payload)) + payload
+        message = memoryview(struct.pack("<q", len(payload)) + payload)
         for dst in dsts:
-            _write(self._fd("obj_out", dst), memoryview(message), dst)
+            self._sender("obj_out", dst).send(message)
 
     def post_streams(self, streams: torch.Tensor, dst: int) -> None:
-        data = _as_bytes(streams.contiguous()).numpy()
-        _write(self._fd("data_out", dst), memoryview(struct.pack("<q", data.nbytes)), dst)
-        _write(self._fd("data_out", dst), memoryview(data).cast("B"), dst)
+        data = memoryview(_as_bytes(streams.contiguous()).numpy()).cast("B")
+        self._sender("data_out", dst).send(memoryview(struct.pack("<q", data.nbytes)), data)
 
     def send_obj(self, obj: object, *dsts: int) -> None:
-        self.post_obj(obj, *dsts)  # (a pipe's write is complete once it returns)
+        """Posts and waits until it is all in the pipes (start-up and stop messages)."""
+        self.post_obj(obj, *dsts)
+        for dst in dsts:
+            self._sender("obj_out", dst).flush()
 
     # --- receives ---------------------------------------------------------------------------------------
     def mailbox(self, src: int) -> PipeMailbox:
@@ -233,6 +245,79 @@ class PipeChannel:
 
     def recv_streams(self, into: torch.Tensor, src: int) -> StreamsRead:
         return StreamsRead(self._fd("data_in", src), into, src)
+
+
+class PipeSender:
+    """Writes to one pipe without ever blocking its caller: what the pipe's buffer takes is written at once (the
+    usual case: no other thread runs); the rest waits, in order, for a thread of this sender's own that writes it
+    as the reader drains the pipe. So two stages that each send the other more than a pipe holds before reading
+    cannot wait on each other. A broken pipe (the reader went away) is raised by the next send."""
+
+    def __init__(self, fd: int, peer: int) -> None:
+        os.set_blocking(fd, False)
+        self.fd, self.peer = fd, peer
+        self._pending: deque[memoryview] = deque()  # (only the thread takes from it, only send adds to it)
+        self._cond = threading.Condition()
+        self._error: RuntimeError | None = None
+        self._thread: threading.Thread | None = None
+
+    def send(self, *parts: memoryview) -> None:
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            rest = list(parts)
+            while rest and not self._pending:
+                try:
+                    written = os.write(self.fd, rest[0])
+                except BlockingIOError:
+                    break
+                except (BrokenPipeError, ConnectionResetError):
+                    raise self._broken() from None
+                rest[0] = rest[0][written:]
+                if not rest[0].nbytes:
+                    rest.pop(0)
+            if not rest:
+                return
+            self._pending.extend(rest)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drain, name=f"leanserve-pipe-{self.peer}", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Waits until everything sent is in the pipe."""
+        with self._cond:
+            while self._pending and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+
+    def _broken(self) -> RuntimeError:
+        return RuntimeError(f"Connection closed by stage {self.peer} (its pipe is broken)")
+
+    def _drain(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending:
+                    self._cond.wait()
+                part = self._pending[0]
+            select.select([], [self.fd], [])
+            try:
+                written = os.write(self.fd, part)
+            except BlockingIOError:
+                continue
+            except OSError:
+                with self._cond:
+                    self._error = self._broken()
+                    self._pending.clear()
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                if written < part.nbytes:
+                    self._pending[0] = part[written:]
+                else:
+                    self._pending.popleft()
+                    self._cond.notify_all()
 
 
 class PipeMailbox:
@@ -262,14 +347,6 @@ class StreamsRead:
         if size != view.nbytes:
             raise RuntimeError(f"stage {self.src} sent {size} bytes of streams where {view.nbytes} were expected")
         _read_into(self.fd, view, self.src)
-
-
-def _write(fd: int, data: memoryview, peer: int) -> None:
-    try:
-        while data.nbytes:
-            data = data[os.write(fd, data) :]
-    except (BrokenPipeError, ConnectionResetError):
-        raise RuntimeError(f"Connection closed by stage {peer} (its pipe is broken)") from None
 
 
 def _read(fd: int, size: int, peer: int) -> bytes:
