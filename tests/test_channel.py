@@ -12,9 +12,10 @@ from leanserve.engine.channel import PIPE_BYTES, Links, PipeChannel
 @pytest.fixture
 def pair():
     links = Links.create(2)
-    yield PipeChannel(links[0]), PipeChannel(links[1]), links
-    for stage_links in links:
-        stage_links.close()
+    channels = PipeChannel(links[0]), PipeChannel(links[1])
+    yield *channels, links
+    for channel in channels:
+        channel.close()
 
 
 def test_streams_larger_than_the_pipe_arrive_whole_and_in_order(pair):

@@ -10,8 +10,8 @@ kernel buffer (1 MiB where the system allows): it returns at once without any ot
 which matters when every core is busy computing (a gloo transfer needs the sender's I/O thread to be scheduled
 once the receiver has posted its receive: a millisecond or more on a busy core); what a full pipe does not
 take waits for a thread of the sender's own (`PipeSender`), so no send ever waits for its receiver. A receive
-reads the bytes straight into its tensor. A peer that died closes its ends: reads see end-of-file, writes a broken pipe, both
-raised as RuntimeError("Connection closed ...").
+reads the bytes straight into its tensor. A peer that died closes its ends: reads see end-of-file, writes a
+broken pipe, both raised as RuntimeError("Connection closed ...").
 
 `Channel`: a process group of the engine's own (gloo; streams over nccl on CUDA). Gloo completes a send
 only once the peer has posted the matching receive, so every send here is posted without waiting (`Outbox`
@@ -24,11 +24,13 @@ second message of exact size). Messages between two stages on one tag arrive in 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pickle
 import select
 import struct
 import threading
+import time
 from collections import deque
 
 import torch
@@ -193,7 +195,6 @@ class Links:
 
 
 def _grow(fd: int) -> None:
-    fcntl = __import__("fcntl")
     if hasattr(fcntl, "F_SETPIPE_SZ"):
         with contextlib.suppress(OSError):  # (above the system's pipe-max-size: keep the default)
             fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
@@ -211,6 +212,13 @@ class PipeChannel:
             return self.links.fds[kind][peer]
         except KeyError:
             raise RuntimeError(f"no {kind} pipe with stage {peer}") from None
+
+    def close(self, wait_s: float = 1.0) -> None:
+        """Closes this process's ends, once each sender's thread has finished (its reader is gone or has read
+        everything; a thread left writing to a closed fd could write into whatever file takes its number)."""
+        for sender in self._senders.values():
+            sender.join(wait_s)
+        self.links.close()
 
     def _sender(self, kind: str, peer: int) -> PipeSender:
         fd = self._fd(kind, peer)
@@ -292,27 +300,43 @@ class PipeSender:
             if self._error is not None:
                 raise self._error
 
+    def join(self, wait_s: float) -> None:
+        """Waits up to wait_s for the thread (if any) to finish what is pending; stops it either way."""
+        with self._cond:
+            deadline = time.monotonic() + wait_s
+            while self._pending and self._error is None and time.monotonic() < deadline:
+                self._cond.wait(max(deadline - time.monotonic(), 0.0))
+            self._error = self._error or RuntimeError(f"the pipe to stage {self.peer} is closed")
+            self._pending.clear()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(wait_s)
+
     def _broken(self) -> RuntimeError:
         return RuntimeError(f"Connection closed by stage {self.peer} (its pipe is broken)")
 
     def _drain(self) -> None:
         while True:
             with self._cond:
-                while not self._pending:
+                while not self._pending and self._error is None:
                     self._cond.wait()
+                if self._error is not None:
+                    return
+            with contextlib.suppress(OSError):  # (a closed fd: the next check ends the thread)
+                select.select([], [self.fd], [], 0.1)
+            with self._cond:  # (the write itself never blocks: under the lock, join cannot close in between)
+                if self._error is not None:
+                    return
                 part = self._pending[0]
-            select.select([], [self.fd], [])
-            try:
-                written = os.write(self.fd, part)
-            except BlockingIOError:
-                continue
-            except OSError:
-                with self._cond:
+                try:
+                    written = os.write(self.fd, part)
+                except BlockingIOError:
+                    continue
+                except OSError:
                     self._error = self._broken()
                     self._pending.clear()
                     self._cond.notify_all()
-                return
-            with self._cond:
+                    return
                 if written < part.nbytes:
                     self._pending[0] = part[written:]
                 else:

@@ -264,7 +264,9 @@ class PipelineDriver:
                 self.channel.send_obj(Stop(), *range(1, self.num_stages))
         _terminate(list(self.procs.values()), wait_s=10.0 if graceful else 0.0)
         self._finalizer.detach()
-        if self._links is not None:
+        if isinstance(getattr(self, "channel", None), PipeChannel):
+            self.channel.close()
+        elif self._links is not None:
             self._links.close()
 
 
