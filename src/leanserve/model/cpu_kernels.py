@@ -1186,6 +1186,9 @@ compress = Threaded(_compress, min_work=16)
 
 
 # --- attention over a step's query blocks -----------------------------------------------------------------
+ATTEND_SUM_ROWS = 32  # (query, head) rows of a block up to which _attend sums key rows instead of transposing
+
+
 def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, visible, chosen, sink, scale,
             freqs, out):  # fmt: skip
     # (compiled) Shared-KV attention (keys = values) for one group of query blocks, see model/batch.py:
@@ -1194,9 +1197,11 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
     #   with n = visible[b, i], restricted to chosen[b, i, :] when chosen is not empty (the indexer's top-k).
     # Each head has a sink logit (probability mass, no value). The output is rotated back by RoPE (the
     # inverse of freqs at the query's token) and written to out[q_rows[b, i]].
-    # Per block, its keys are gathered once for all its queries and heads (the KV is shared), and the scores
-    # and the weighted values are two small matmuls through the few-row linear's register tiles: rows are
-    # (query, head) pairs, masked keys get probability 0.
+    # Per block, its keys are gathered once for all its queries and heads (the KV is shared); the scores are a
+    # small matmul through the few-row linear's register tiles (rows are (query, head) pairs), masked keys get
+    # probability 0. The weighted values: for a block of a few rows (decode, verification) the key rows summed
+    # as each row's probabilities weigh them (keys of probability 0 skipped), for more rows (prefill) a second
+    # matmul through the tiles, on the keys transposed once.
     num_blocks, block = q_rows.shape
     heads, dim = q.shape[1], q.shape[2]
     ring_rows = ring.shape[0]
@@ -1219,10 +1224,6 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
                 kv[k] = new_kv[r - ring_rows]
         for c in range(most):
             kv[width + c] = rows[slot[b], c]
-        kv_t = np.empty((dim, keys), dtype=np.float32)
-        for k in range(keys):
-            for d in range(dim):
-                kv_t[d, k] = kv[k, d]
         qh = np.zeros((block * heads, dim), dtype=np.float32)  # rows (query i, head h) at i * heads + h
         for i in range(block):
             if q_valid[b, i]:
@@ -1252,8 +1253,24 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
                 inv = np.float32(1.0) / total
                 for k in range(keys):
                     row[k] *= inv
-        values = np.empty((block * heads, dim), dtype=np.float32)
-        _linear_rows_f32_jit(scores, kv_t, values, block * heads)
+        values = np.zeros((block * heads, dim), dtype=np.float32)
+        if block * heads <= ATTEND_SUM_ROWS:  # a few queries: probabilities @ keys a key row at a time
+            for i in range(block):
+                if not q_valid[b, i]:
+                    continue
+                for h in range(heads):
+                    r = i * heads + h
+                    for k in range(keys):
+                        p = scores[r, k]
+                        if p != np.float32(0.0):
+                            for d in range(dim):
+                                values[r, d] += p * kv[k, d]
+        else:  # many: through the register tiles, the keys transposed once
+            kv_t = np.empty((dim, keys), dtype=np.float32)
+            for k in range(keys):
+                for d in range(dim):
+                    kv_t[d, k] = kv[k, d]
+            _linear_rows_f32_jit(scores, kv_t, values, block * heads)
         for i in range(block):
             if not q_valid[b, i]:
                 continue
