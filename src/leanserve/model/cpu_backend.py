@@ -6,6 +6,7 @@ blocked matmuls win). The size thresholds live here and nowhere else.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import numpy as np
@@ -87,10 +88,33 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
+def keep_freed_memory() -> None:
+    """glibc gives a freed block back to the system once the top of its heap passes a trim threshold, and serves
+    large requests by mmap, so a prefill's activations (megabytes a layer) are page-faulted in afresh at every
+    step (hc_post's output alone: 1.3 ms of a 2048-token call, 0.4 ms of it arithmetic). A fixed 32 MiB mmap
+    threshold (glibc's largest) and a 1 GiB trim threshold keep freed blocks for reuse; the peak memory stays
+    the same. Once per process, and only where the C library is glibc."""
+    global _kept_freed
+    if _kept_freed:
+        return
+    _kept_freed = True
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    except (OSError, AttributeError):  # (another C library: leave it as it is)
+        pass
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_kept_freed = False
+
+
 class CpuBackend(TorchBackend):
     name = "cpu"
 
     def __init__(self) -> None:
+        keep_freed_memory()
         self._plans: dict[tuple[int, int], decode.Plan] = {}  # (id(block), id(cache)) -> its decode plan
         # (id(module), what) -> (its tensors, their pointers, the numpy views of its typed weights)
         self._kept: dict[tuple[int, str], tuple] = {}
