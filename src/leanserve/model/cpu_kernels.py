@@ -1293,12 +1293,14 @@ attend = Threaded(_attend, min_work=2)
 def _index_select(q, head_w, q_rows, q_valid, slot, keys, visible, topk, scale, out):  # pragma: no cover
     # (compiled) The Lightning Indexer's choice for one group of query blocks: score each visible compressed row
     # c < visible[b, i] as sum_h head_w[t, h] * relu(q[t, h] . keys[slot[b], c]) * scale and keep the `topk`
-    # best (ties to the lower row), out [NB, Bq, n] bool. q [T, H, d], head_w [T, H], keys [slots, rows, d].
+    # best (ties to the lower row: the stable sort's choice, kept by insertion into the topk best so far, no
+    # sort), out [NB, Bq, n] bool. q [T, H, d], head_w [T, H], keys [slots, rows, d].
     num_blocks, block = q_rows.shape
     heads, dim = q.shape[1], q.shape[2]
     n = out.shape[2]
     for b in prange(num_blocks):
-        scores = np.empty(n, dtype=np.float32)
+        best = np.empty(topk, dtype=np.float32)  # the topk best scores so far, best first, and their rows
+        rows = np.empty(topk, dtype=np.int64)
         for i in range(block):
             for c in range(n):
                 out[b, i, c] = False
@@ -1310,6 +1312,7 @@ def _index_select(q, head_w, q_rows, q_valid, slot, keys, visible, topk, scale, 
                 for c in range(m):
                     out[b, i, c] = True
                 continue
+            kept = 0
             for c in range(m):
                 total = np.float32(0.0)
                 for h in range(heads):
@@ -1317,10 +1320,19 @@ def _index_select(q, head_w, q_rows, q_valid, slot, keys, visible, topk, scale, 
                     for d in range(dim):
                         s += q[t, h, d] * keys[slot[b], c, d]
                     total += max(s, np.float32(0.0)) * scale * head_w[t, h]
-                scores[c] = -total
-            order = np.argsort(scores[:m], kind="mergesort")  # stable: equal scores keep row order
+                # Insert after every kept score >= total (an equal score keeps the lower row), if it makes the cut.
+                if kept == topk and total <= best[topk - 1]:
+                    continue
+                j = kept if kept < topk else topk - 1
+                while j > 0 and best[j - 1] < total:
+                    best[j] = best[j - 1]
+                    rows[j] = rows[j - 1]
+                    j -= 1
+                best[j] = total
+                rows[j] = c
+                kept = min(kept + 1, topk)
             for r in range(topk):
-                out[b, i, order[r]] = True
+                out[b, i, rows[r]] = True
 
 
 # work = query blocks
