@@ -1194,7 +1194,8 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
     # (compiled) Shared-KV attention (keys = values) for one group of query blocks, see model/batch.py:
     #   q [T, H, D] RoPE'd queries; window keys are store rows key_index[b, :] masked by key_mask[b, i, :],
     #   where the store is ring [Rr, D] followed by new_kv [T, D]; then the compressed rows rows[slot[b], :n]
-    #   with n = visible[b, i], restricted to chosen[b, i, :] when chosen is not empty (the indexer's top-k).
+    #   with n = visible[b, i], restricted to chosen[b, i, :] when chosen is not empty (the indexer's top-k:
+    #   the block then reads only the rows some query of it chose).
     # Each head has a sink logit (probability mass, no value). The output is rotated back by RoPE (the
     # inverse of freqs at the query's token) and written to out[q_rows[b, i]].
     # Per block, its keys are gathered once for all its queries and heads (the KV is shared); the scores are a
@@ -1214,16 +1215,26 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
         for i in range(block):
             if q_valid[b, i]:
                 most = max(most, visible[b, i])
-        keys = width + most
-        kv = np.empty((keys, dim), dtype=np.float32)  # the block's keys (= values), then their transpose
+        # The compressed rows the block reads: every visible one, or with the indexer's choice only those some
+        # query of the block chose (the others would get probability 0).
+        sel = np.empty(most, dtype=np.int64)
+        comp = 0
+        for c in range(most):
+            for i in range(block):
+                if q_valid[b, i] and c < visible[b, i] and (not picked or chosen[b, i, c]):
+                    sel[comp] = c
+                    comp += 1
+                    break
+        keys = width + comp
+        kv = np.empty((keys, dim), dtype=np.float32)  # the block's keys (= values)
         for k in range(width):
             r = key_index[b, k]
             if r < ring_rows:
                 kv[k] = ring[r]
             else:
                 kv[k] = new_kv[r - ring_rows]
-        for c in range(most):
-            kv[width + c] = rows[slot[b], c]
+        for j in range(comp):
+            kv[width + j] = rows[slot[b], sel[j]]
         qh = np.zeros((block * heads, dim), dtype=np.float32)  # rows (query i, head h) at i * heads + h
         for i in range(block):
             if q_valid[b, i]:
@@ -1240,7 +1251,11 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
                 top = sink[h]
                 for k in range(keys):
                     row[k] *= scale
-                    seen = key_mask[b, i, k] if k < width else k - width < n and (not picked or chosen[b, i, k - width])
+                    if k < width:
+                        seen = key_mask[b, i, k]
+                    else:
+                        c = sel[k - width]
+                        seen = c < n and (not picked or chosen[b, i, c])
                     if seen:
                         top = max(top, row[k])
                     else:
