@@ -354,7 +354,7 @@ class PipeMailbox:
     def ready(self) -> bool:
         return bool(select.select([self.fd], [], [], 0)[0])
 
-    def take(self, post_next: bool = True) -> object:
+    def take(self, post_next: bool = True) -> object:  # (post_next: Mailbox's; a pipe needs no posted receive)
         size = struct.unpack("<q", _read(self.fd, 8, self.src))[0]
         return pickle.loads(_read(self.fd, size, self.src))
 

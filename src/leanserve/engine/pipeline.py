@@ -104,7 +104,7 @@ class PipelineDriver:
         self.num_stages = n = spec.topology.num_stages
         self.procs: dict[int, subprocess.Popen] = {}
         self.dead: str | None = None
-        self._links: Links | None = None  # this process's pipe ends, when the stages talk over pipes
+        self._pipes: PipeChannel | None = None  # the channel over this process's pipe ends, when stages use pipes
         if in_torchrun():
             store, rank, world = _env_rendezvous()
             if world != n or rank != 0:
@@ -121,10 +121,7 @@ class PipelineDriver:
         try:
             self._wait_for_stages(store)
             device = stage_device(spec.config.device, 0)
-            if self._links is not None:
-                self.channel = PipeChannel(self._links)
-            else:
-                self.channel = Channel(store, 0, n, device, _OP_TIMEOUT)
+            self.channel = self._pipes or Channel(store, 0, n, device, _OP_TIMEOUT)
             self.runner = StageRunner(
                 spec.model_config, spec.config, self.topology.layout(0), getattr(torch, spec.dtype),
                 spec.max_model_len, progress=progress, device=device,
@@ -146,7 +143,7 @@ class PipelineDriver:
         finally:
             for stage_links in (links or [])[1:]:  # (a stage's ends stay open in that stage alone: its death
                 stage_links.close()  # is then the end of its pipes)
-        self._links = links[0] if links else None
+        self._pipes = PipeChannel(links[0]) if links else None
 
     def _spawn_stages(self, port: int, links: list[Links] | None) -> None:
         for rank in range(1, self.num_stages):
@@ -264,10 +261,8 @@ class PipelineDriver:
                 self.channel.send_obj(Stop(), *range(1, self.num_stages))
         _terminate(list(self.procs.values()), wait_s=10.0 if graceful else 0.0)
         self._finalizer.detach()
-        if isinstance(getattr(self, "channel", None), PipeChannel):
-            self.channel.close()
-        elif self._links is not None:
-            self._links.close()
+        if self._pipes is not None:
+            self._pipes.close()
 
 
 def _terminate(procs: list[subprocess.Popen], wait_s: float = 0.0) -> None:
