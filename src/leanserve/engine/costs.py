@@ -45,6 +45,6 @@ def stage_costs(cfg: ModelConfig) -> tuple[list[int], int]:
     for name, nbytes in token_read_bytes(cfg).items():
         if name.startswith("layers."):
             layers[int(name.split(".")[1])] += nbytes
-        elif not name.startswith("embed.") and not name.startswith("rotary"):
+        elif not name.startswith("embed."):
             tail += nbytes
     return layers, tail
