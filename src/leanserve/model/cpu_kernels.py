@@ -1217,14 +1217,16 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
                 most = max(most, visible[b, i])
         # The compressed rows the block reads: every visible one, or with the indexer's choice only those some
         # query of the block chose (the others would get probability 0).
-        sel = np.empty(most, dtype=np.int64)
-        comp = 0
-        for c in range(most):
-            for i in range(block):
-                if q_valid[b, i] and c < visible[b, i] and (not picked or chosen[b, i, c]):
-                    sel[comp] = c
-                    comp += 1
-                    break
+        sel = np.arange(most)
+        comp = most
+        if picked:
+            comp = 0
+            for c in range(most):
+                for i in range(block):
+                    if q_valid[b, i] and c < visible[b, i] and chosen[b, i, c]:
+                        sel[comp] = c
+                        comp += 1
+                        break
         keys = width + comp
         kv = np.empty((keys, dim), dtype=np.float32)  # the block's keys (= values)
         for k in range(width):
