@@ -125,10 +125,10 @@ class CpuBackend(TorchBackend):
         `.data` assignment)."""
         key = (id(owner), make.__name__)
         kept = self._kept.get(key)
-        if kept is None or list(map(torch.Tensor.data_ptr, kept[0])) != kept[1]:
+        if kept is None or decode.data_ptrs(kept[0]) != kept[1]:
             w = make()
             ts = tensors(w) if tensors is not None else [*owner.parameters(), *owner.buffers()]
-            kept = self._kept[key] = (ts, list(map(torch.Tensor.data_ptr, ts)), numpy_views(w))
+            kept = self._kept[key] = (ts, decode.data_ptrs(ts), numpy_views(w))
         return kept[2]
 
     def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
@@ -261,7 +261,7 @@ class CpuBackend(TorchBackend):
                 and _weights((w.shared_w1, w.shared_w3, w.shared_w2), (Fp8Weight,))
             ):
                 views = self.kept_views(moe, moe.weights)
-                return torch.from_numpy(decode.moe_arrays(x.numpy(), input_ids.numpy(), views))
+                return torch.from_numpy(decode.moe_arrays(x.numpy(), input_ids.numpy(), decode.moe_args(views)))
         return super().moe(moe, x, input_ids)
 
     # --- decode-sized steps, whole ----------------------------------------------------------------------

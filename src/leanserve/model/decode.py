@@ -99,11 +99,11 @@ def attend_arrays(w: AttentionWeights, q, ring, new_kv, group, most: int, visibl
     )  # fmt: skip
 
 
-def moe_arrays(x: np.ndarray, input_ids: np.ndarray, w: MoEWeights, args: tuple | None = None) -> np.ndarray:
+def moe_arrays(x: np.ndarray, input_ids: np.ndarray, args: tuple) -> np.ndarray:
     """The whole MoE as one compiled call: x, out [T, hidden] float32 (experts plain, FP4 or FP8; the shared
-    expert plain or FP8). `args`: moe_args(w), as a Plan keeps them."""
+    expert plain or FP8); `args` its weights as moe_args gives them."""
     out = np.empty_like(x)
-    ck.moe_tokens(x.shape[0], x, input_ids, *(args or moe_args(w)), out)
+    ck.moe_tokens(x.shape[0], x, input_ids, *args, out)
     return out
 
 
@@ -180,7 +180,7 @@ class Plan:
     def __init__(self, w: BlockWeights, tensors: list[torch.Tensor], cache: LayerCache) -> None:
         self.w = w
         self.cache = cache  # (kept: plans are looked up by the cache's id)
-        self.tensors, self.ptrs = tensors, list(map(torch.Tensor.data_ptr, tensors))
+        self.tensors, self.ptrs = tensors, data_ptrs(tensors)
         self.hc = w.attn_mix.fn.shape[1] // w.attn_mix.norm_weight.shape[0]  # streams: fn is [M, hc * hidden]
         wo_a = w.attn.wo_a  # (an FP8 one is kept as it is: grouped_linear_arrays reads its rows by group)
         self.wo_a = wo_a if isinstance(wo_a, Fp8Weight) else wo_a.reshape(w.attn.o_groups, -1, wo_a.shape[1])
@@ -194,7 +194,12 @@ class Plan:
         self.idx_rings = Rings.of(cache.idx_kv, cache.idx_gate, cache.idx_rows) if w.attn.indexer else None
 
     def current(self) -> bool:
-        return list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs
+        return data_ptrs(self.tensors) == self.ptrs
+
+
+def data_ptrs(tensors: list[torch.Tensor]) -> list[int]:
+    """Where each tensor's storage is: views of them are current while these stay the same."""
+    return list(map(torch.Tensor.data_ptr, tensors))
 
 
 def run_blocks(embed: np.ndarray | None, plans: list[Plan], hc: int, step: Step, streams: np.ndarray | None):
@@ -271,4 +276,4 @@ def _attention(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
 
 
 def _moe(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
-    return moe_arrays(x, step.ids, p.w.moe, p.moe_args)
+    return moe_arrays(x, step.ids, p.moe_args)
