@@ -30,13 +30,23 @@ EMPTY = np.empty(0, dtype=np.float32)  # "no weight"
 EMPTY_2D = np.empty((0, 0), dtype=np.float32)
 
 
+# Division by zero gives inf or nan, as in torch, instead of numba's default ZeroDivisionError check: that check
+# is a branch at every division, and a branch in a loop stops it from vectorising.
+_OPTIONS = {"nogil": True, "fastmath": _FLAGS, "error_model": "numpy"}
+
+
 def _jit(fn, parallel: bool = False):
     if numba is None:
         return None
     if parallel:  # numba's on-disk cache tells builds apart by function name, not by options: rename
         fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_threaded", fn.__defaults__)
         fn.__qualname__ = fn.__name__
-    return numba.njit(cache=True, nogil=True, fastmath=_FLAGS, parallel=parallel)(fn)
+    return numba.njit(cache=True, parallel=parallel, **_OPTIONS)(fn)
+
+
+def _inlined(fn):
+    """A helper compiled into the kernels that call it."""
+    return numba.njit(inline="always", **_OPTIONS)(fn)
 
 
 prange = numba.prange if numba is not None else range
@@ -70,7 +80,7 @@ def _exp(x):  # pragma: no cover - compiled
     return (p * r * r + r + np.float32(1.0)) * _f32_from_bits(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
 
 
-_exp_jit = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_exp) if numba is not None else None
+_exp_jit = _inlined(_exp) if numba is not None else None
 
 
 class Threaded:
@@ -600,11 +610,11 @@ def _e2m1(c):  # pragma: no cover - compiled: an FP4 e2m1 code (0..15) -> float3
 
 
 if numba is not None:
-    _ue8m0 = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_ue8m0)
-    _e4m3 = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_e4m3)
-    _e4m3_raw = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_e4m3_raw)
-    _raw_scale = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_raw_scale)
-    _e2m1 = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_e2m1)
+    _ue8m0 = _inlined(_ue8m0)
+    _e4m3 = _inlined(_e4m3)
+    _e4m3_raw = _inlined(_e4m3_raw)
+    _raw_scale = _inlined(_raw_scale)
+    _e2m1 = _inlined(_e2m1)
 
 
 def _fp8_row(q, s, row, buf, r):  # pragma: no cover - compiled: buf[r] = row `row` of the FP8 weight (q, s)
@@ -640,8 +650,8 @@ def _fp4_row(packed, s, row, buf, r):  # pragma: no cover - compiled: buf[r] = r
 
 
 if numba is not None:
-    _fp8_row = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_fp8_row)
-    _fp4_row = numba.njit(nogil=True, fastmath=_FLAGS, inline="always")(_fp4_row)
+    _fp8_row = _inlined(_fp8_row)
+    _fp4_row = _inlined(_fp4_row)
 
 
 if numba is not None:
