@@ -198,43 +198,45 @@ rms_norm = Threaded(_rms_norm, min_work=64)
 
 
 # --- mHC --------------------------------------------------------------------------------------------------
-# The mHC weights of LANES tokens are computed side by side, each value stored as m[entry, lane]: every step
-# of the Sinkhorn loop is then one vector operation over the lanes instead of a chain of scalar divisions.
-LANES = 8
+# The mHC weights of up to LANES tokens are computed side by side, each value stored as m[entry, lane]: every
+# step of the Sinkhorn loop is then a vector operation over the lanes instead of a chain of scalar divisions.
+# (The lane loops run to m's width, a number known only at run time: LLVM unrolls a loop of a constant count
+# this small into scalar code instead of vectorising it.)
+LANES = 32
 
 
 def _mhc_lanes(m, scale, base, hc, hc_eps, iters):  # pragma: no cover - compiled
-    # m [(2+hc)*hc, LANES] mixes (unused lanes zero: a fixed width vectorises), in place -> pre (sigmoid + eps)
-    # | post (2 * sigmoid) | comb (softmax per row + eps, then Sinkhorn-normalised; row-major). m [hc, LANES]
-    # (hc_head's mixes): pre only.
+    # m [(2+hc)*hc, lanes] mixes, in place -> pre (sigmoid + eps) | post (2 * sigmoid) | comb (softmax per row
+    # + eps, then Sinkhorn-normalised; row-major). m [hc, lanes] (hc_head's mixes): pre only.
     one = np.float32(1.0)
     eps = np.float32(hc_eps)
+    lanes = m.shape[1]
     for i in range(hc):
-        for a in range(LANES):
+        for a in range(lanes):
             m[i, a] = one / (one + _exp_jit(-(m[i, a] * scale[0] + base[i]))) + eps
     if m.shape[0] == hc:
         return
     for i in range(hc):
-        for a in range(LANES):
+        for a in range(lanes):
             z = m[hc + i, a] * scale[1] + base[hc + i]
             m[hc + i, a] = np.float32(2.0) / (one + _exp_jit(-z))
     c0 = 2 * hc
-    top = np.empty(LANES, dtype=np.float32)
-    total = np.empty(LANES, dtype=np.float32)
+    top = np.empty(lanes, dtype=np.float32)
+    total = np.empty(lanes, dtype=np.float32)
     for i in range(hc):  # softmax over each row, + eps
         row = c0 + i * hc
         top[:] = -np.inf
         for j in range(hc):
-            for a in range(LANES):
+            for a in range(lanes):
                 m[row + j, a] = m[row + j, a] * scale[2] + base[row + j]
                 top[a] = max(top[a], m[row + j, a])
         total[:] = 0.0
         for j in range(hc):
-            for a in range(LANES):
+            for a in range(lanes):
                 m[row + j, a] = _exp_jit(m[row + j, a] - top[a])
                 total[a] += m[row + j, a]
         for j in range(hc):
-            for a in range(LANES):
+            for a in range(lanes):
                 m[row + j, a] = m[row + j, a] / total[a] + eps
     # Sinkhorn-Knopp: columns first, then rows and columns, `iters` times in all.
     for it in range(2 * iters - 1):
@@ -243,13 +245,13 @@ def _mhc_lanes(m, scale, base, hc, hc_eps, iters):  # pragma: no cover - compile
             total[:] = 0.0
             for y in range(hc):
                 k = c0 + x * hc + y if by_row else c0 + y * hc + x
-                for a in range(LANES):
+                for a in range(lanes):
                     total[a] += m[k, a]
-            for a in range(LANES):
+            for a in range(lanes):
                 total[a] += eps
             for y in range(hc):
                 k = c0 + x * hc + y if by_row else c0 + y * hc + x
-                for a in range(LANES):
+                for a in range(lanes):
                     m[k, a] /= total[a]
 
 
@@ -266,15 +268,16 @@ def _hc_pre(
     n, hc, d = streams.shape
     width = fn.shape[0]
     flat = streams.reshape(n, hc * d)
-    for blk in prange((n + LANES - 1) // LANES):
-        t0 = blk * LANES
-        lanes = min(LANES, n - t0)
+    size = min(LANES, max(LANES // 4, (n + 1) // 2))  # (at least two blocks from 2 * LANES // 4 tokens on)
+    for blk in prange((n + size - 1) // size):
+        t0 = blk * size
+        lanes = min(size, n - t0)
         raw = np.empty((lanes, width), dtype=np.float32)
         if projected.shape[0] > 0:
             raw[:] = projected[t0 : t0 + lanes]
         else:
             _linear_rows_jit(flat[t0 : t0 + lanes], fn, raw, lanes)
-        m = np.zeros((width, LANES), dtype=np.float32)
+        m = np.empty((width, lanes), dtype=np.float32)
         for a in range(lanes):
             t = t0 + a
             s = np.float32(0.0)
@@ -304,7 +307,7 @@ def _hc_pre(
                 x_out[t, k] = x_out[t, k] * r * norm_w[k]
 
 
-hc_pre = Threaded(_hc_pre, min_work=2 * LANES)
+hc_pre = Threaded(_hc_pre, min_work=LANES // 2)
 
 
 def _hc_post(block_out, streams, post, comb, out):  # pragma: no cover - compiled
