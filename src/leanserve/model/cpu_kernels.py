@@ -24,6 +24,8 @@ try:
 except ImportError:  # the torch path is used instead
     numba = None
 
+# Rows are copied element by element in the kernels' loops: numba's slice assignment (a[i] = b[j]) checks the
+# two for overlap at every call, which costs more than copying a row of 64 floats.
 # Reassociation lets reductions vectorise; no "no-NaN/no-inf" flags, since masks use -inf.
 _FLAGS = {"reassoc", "contract", "nsz", "arcp"}
 EMPTY = np.empty(0, dtype=np.float32)  # "no weight"
@@ -1245,16 +1247,20 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
         for k in range(width):
             r = key_index[b, k]
             if r < ring_rows:
-                kv[k] = ring[r]
+                for d in range(dim):
+                    kv[k, d] = ring[r, d]
             else:
-                kv[k] = new_kv[r - ring_rows]
+                for d in range(dim):
+                    kv[k, d] = new_kv[r - ring_rows, d]
         for j in range(comp):
-            kv[width + j] = rows[slot[b], sel[j]]
+            for d in range(dim):
+                kv[width + j, d] = rows[slot[b], sel[j], d]
         qh = np.zeros((block * heads, dim), dtype=np.float32)  # rows (query i, head h) at i * heads + h
         for i in range(block):
             if q_valid[b, i]:
                 for h in range(heads):
-                    qh[i * heads + h] = q[q_rows[b, i], h]
+                    for d in range(dim):
+                        qh[i * heads + h, d] = q[q_rows[b, i], h, d]
         scores = np.empty((block * heads, keys), dtype=np.float32)
         _linear_rows_f32_jit(qh, kv, scores, block * heads)
         for i in range(block):
