@@ -1242,10 +1242,25 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
                         sel[comp] = c
                         comp += 1
                         break
-        keys = width + comp
+        # The window keys the block reads: from the first one some query of it sees to the last (at the start of
+        # a sequence, or in a short chunk, the leading ones are before its first token).
+        lo, hi = width, 0
+        for i in range(block):
+            if q_valid[b, i]:
+                for k in range(width):
+                    if key_mask[b, i, k]:
+                        lo = min(lo, k)
+                        break
+                for k in range(width - 1, -1, -1):
+                    if key_mask[b, i, k]:
+                        hi = max(hi, k + 1)
+                        break
+        span = max(hi - lo, 0)
+        lo = min(lo, hi)
+        keys = span + comp
         kv = np.empty((keys, dim), dtype=np.float32)  # the block's keys (= values)
-        for k in range(width):
-            r = key_index[b, k]
+        for k in range(span):
+            r = key_index[b, lo + k]
             if r < ring_rows:
                 for d in range(dim):
                     kv[k, d] = ring[r, d]
@@ -1254,7 +1269,7 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
                     kv[k, d] = new_kv[r - ring_rows, d]
         for j in range(comp):
             for d in range(dim):
-                kv[width + j, d] = rows[slot[b], sel[j], d]
+                kv[span + j, d] = rows[slot[b], sel[j], d]
         qh = np.zeros((block * heads, dim), dtype=np.float32)  # rows (query i, head h) at i * heads + h
         for i in range(block):
             if q_valid[b, i]:
@@ -1272,10 +1287,10 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
                 top = sink[h]
                 for k in range(keys):
                     row[k] *= scale
-                    if k < width:
-                        seen = key_mask[b, i, k]
+                    if k < span:
+                        seen = key_mask[b, i, lo + k]
                     else:
-                        c = sel[k - width]
+                        c = sel[k - span]
                         seen = c < n and (not picked or chosen[b, i, c])
                     if seen:
                         top = max(top, row[k])
