@@ -1159,26 +1159,27 @@ def _compress(kv, gate, src_rows, dst_rows, kv_ring, gate_ring, write_first, src
     half = freqs.shape[1]
     lead = dim - 2 * half
     for v in prange(src.shape[0]):
-        entry = np.empty(dim, dtype=np.float32)
+        # Per channel: the softmax's running maximum, its sum and the weighted sum; channels innermost (vectors).
+        top = np.full(dim, -np.inf, dtype=np.float32)
+        total = np.zeros(dim, dtype=np.float32)
+        entry = np.zeros(dim, dtype=np.float32)
+        for p in range(span):
+            if src_valid[v, p]:
+                r, off, a = src[v, p], dim if overlap and p >= ratio else 0, p % ratio
+                g = gate_ring[r] if r < ring_rows else gate[r - ring_rows]
+                for c in range(dim):
+                    top[c] = max(top[c], g[off + c] + ape[a, off + c])
+        for p in range(span):
+            if src_valid[v, p]:
+                r, off, a = src[v, p], dim if overlap and p >= ratio else 0, p % ratio
+                g = gate_ring[r] if r < ring_rows else gate[r - ring_rows]
+                x = kv_ring[r] if r < ring_rows else kv[r - ring_rows]
+                for c in range(dim):
+                    e = _exp_jit(g[off + c] + ape[a, off + c] - top[c])
+                    total[c] += e
+                    entry[c] += e * x[off + c]
         for c in range(dim):
-            top = np.float32(-np.inf)
-            for p in range(span):
-                if src_valid[v, p]:
-                    ch = c + dim if overlap and p >= ratio else c
-                    r = src[v, p]
-                    g = gate_ring[r, ch] if r < ring_rows else gate[r - ring_rows, ch]
-                    top = max(top, g + ape[p % ratio, ch])
-            total = np.float32(0.0)
-            acc = np.float32(0.0)
-            for p in range(span):
-                if src_valid[v, p]:
-                    ch = c + dim if overlap and p >= ratio else c
-                    r = src[v, p]
-                    g = gate_ring[r, ch] if r < ring_rows else gate[r - ring_rows, ch]
-                    e = _exp_jit(g + ape[p % ratio, ch] - top)
-                    total += e
-                    acc += e * (kv_ring[r, ch] if r < ring_rows else kv[r - ring_rows, ch])
-            entry[c] = acc / total
+            entry[c] /= total[c]
         s = np.float32(0.0)
         for c in range(dim):
             s += entry[c] * entry[c]
@@ -1197,7 +1198,7 @@ def _compress(kv, gate, src_rows, dst_rows, kv_ring, gate_ring, write_first, src
 
 
 # work = windows closing this step
-compress = Threaded(_compress, min_work=16)
+compress = Threaded(_compress, min_work=64)
 
 
 # --- attention over a step's query blocks -----------------------------------------------------------------
