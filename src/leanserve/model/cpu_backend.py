@@ -21,13 +21,19 @@ from leanserve.model.quant import Fp4Weight, Fp8Experts, Fp8Weight
 
 # Up to this many rows, a linear layer, a grouped linear and the whole MoE run as compiled loops (decode and
 # verification steps): at these sizes torch's matmuls cost several times the arithmetic in call and packing
-# overhead; above it, torch's blocked matmuls (the MoE's over tokens grouped by expert).
+# overhead; above it, torch's blocked matmuls (the MoE's over tokens grouped by expert, unless its experts are
+# small: SMALL_EXPERT).
 FEW_ROWS = 64
 # Steps of up to this many tokens whose rows go into the rings first (decode, verification, the MTP layer's
 # steps) run the blocks as numpy arrays through the kernels, one plan per block (decode.py).
 DECODE_TOKENS = 64
 # From this many tokens (a prefill), hc_pre's projection is a torch matmul rather than the kernel's row loops.
 MANY_TOKENS = 256
+# The whole MoE runs as one compiled call at any number of rows when an expert's w13 has at most this many
+# entries (hidden x 2 * intermediate): there the kernels' register tiles beat torch's packing at every size.
+# Measured (torch / kernel ms, 2048 tokens): 192 x 128 (the shipped model) 3.5 / 2.3; 1024 x 512 (16 experts,
+# top 4) 103 / 70; 4096 x 4096 (V4-Flash's, 8 experts, top 2) 1449 / 1562: torch wins from ~1000 rows there.
+SMALL_EXPERT = 1 << 20
 # Padded experts (two batched matmuls over [E, M, ...]) when padding every expert to the largest count M costs
 # at most twice the rows, and M is at most this; else a grouped matmul.
 PADDED_MOST = 256
@@ -252,7 +258,7 @@ class CpuBackend(TorchBackend):
         return torch_ops.experts(rows, counts, w13, w2, limit, grouped)
 
     def moe(self, moe, x, input_ids):
-        if x.shape[0] <= FEW_ROWS and _activations(x):
+        if (x.shape[0] <= FEW_ROWS or moe.experts.w13_entries <= SMALL_EXPERT) and _activations(x):
             w = moe.weights()
             quant = (Fp8Weight, Fp8Experts, Fp4Weight)
             if (

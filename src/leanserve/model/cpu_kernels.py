@@ -1023,49 +1023,48 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
     # EMPTY for plain weights; the experts FP4 or FP8, the shared expert FP8, see _expert_rows / _matrix_rows).
     n, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    scores = np.empty(num_experts, dtype=np.float32)
-    keyed = np.empty(num_experts, dtype=np.float32)
-    counts = np.zeros(num_experts + 1, dtype=np.int64)
     chosen = np.empty((n, top_k), dtype=np.int64)
     weight = np.empty((n, top_k), dtype=np.float32)
-    logits = np.empty((n, num_experts), dtype=np.float32)
-    _linear_rows_jit(x, gate_w, logits, n)
-    for t in range(n):
+    scores = np.empty((n, num_experts), dtype=np.float32)  # the router's logits, then its scores
+    keyed = np.empty((n, num_experts) if tid2eid.shape[0] == 0 else (0, 0), dtype=np.float32)  # scores + bias
+    _linear_rows_jit(x, gate_w, scores, n)
+    for t in prange(n):  # (each token's routing is its own: threaded over tokens)
         for e in range(num_experts):
-            z = logits[t, e]
+            z = scores[t, e]
             if scoring == 0:
                 sp = z + np.float32(math.log1p(math.exp(-z))) if z > 0 else np.float32(math.log1p(math.exp(z)))
-                scores[e] = np.float32(math.sqrt(sp))
+                scores[t, e] = np.float32(math.sqrt(sp))
             elif scoring == 1:
-                scores[e] = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-z)))
-            else:
-                scores[e] = z
+                scores[t, e] = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-z)))
         if scoring == 2:
-            top = scores.max()
+            top = scores[t].max()
             total = np.float32(0.0)
             for e in range(num_experts):
-                scores[e] = np.float32(math.exp(scores[e] - top))
-                total += scores[e]
+                scores[t, e] = np.float32(math.exp(scores[t, e] - top))
+                total += scores[t, e]
             for e in range(num_experts):
-                scores[e] /= total
+                scores[t, e] /= total
         if tid2eid.shape[0] > 0:
             for j in range(top_k):
                 chosen[t, j] = tid2eid[ids[t], j]
         else:
             for e in range(num_experts):
-                keyed[e] = scores[e] + bias[e]
+                keyed[t, e] = scores[t, e] + bias[e]
             for j in range(top_k):  # the largest remaining, lowest index first on ties
                 best = 0
                 for e in range(1, num_experts):
-                    if keyed[e] > keyed[best]:
+                    if keyed[t, e] > keyed[t, best]:
                         best = e
                 chosen[t, j] = best
-                keyed[best] = -np.inf
+                keyed[t, best] = -np.inf
         total = np.float32(0.0)
         for j in range(top_k):
-            total += scores[chosen[t, j]]
+            total += scores[t, chosen[t, j]]
         for j in range(top_k):
-            weight[t, j] = scores[chosen[t, j]] / (total + np.float32(1e-20)) * np.float32(route_scale)
+            weight[t, j] = scores[t, chosen[t, j]] / (total + np.float32(1e-20)) * np.float32(route_scale)
+    counts = np.zeros(num_experts + 1, dtype=np.int64)
+    for t in range(n):
+        for j in range(top_k):
             counts[chosen[t, j] + 1] += 1
     # Bucket the (token, k) pairs by expert.
     for e in range(num_experts):
@@ -1080,17 +1079,27 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
             weight_of[fill[e]] = weight[t, j]
             fill[e] += 1
     # Tasks, spread over the cores: each expert that has tokens, and the shared expert in two halves of the
-    # tokens (more chunks would read its weights more often). Each task writes only its own rows: the routed
-    # experts' outputs go to ys (one row per (token, k) pair), the shared expert's straight to out.
+    # tokens (more chunks would read its weights more often), each half ahead of half the experts: the threads
+    # take equal runs of tasks, and so get equal work when the experts' loads are even. Each task writes only
+    # its own rows: the routed experts' outputs go to ys (one row per (token, k) pair), the shared expert's
+    # straight to out.
     shared = sw1.shape[0]
     chunks = min(n, 2)
-    tasks = np.empty(num_experts + chunks, dtype=np.int64)
-    num_tasks = 0
+    active = 0
+    for e in range(num_experts):
+        active += counts[e + 1] > counts[e]
+    tasks = np.empty(active + chunks, dtype=np.int64)
+    num_tasks, seen, half = 0, 0, 0
     for e in range(num_experts):
         if counts[e + 1] > counts[e]:
+            if half < chunks and seen >= half * active // chunks:
+                tasks[num_tasks] = num_experts + half
+                num_tasks += 1
+                half += 1
             tasks[num_tasks] = e
             num_tasks += 1
-    for c in range(chunks):
+            seen += 1
+    for c in range(half, chunks):
         tasks[num_tasks] = num_experts + c
         num_tasks += 1
     pairs = n * top_k

@@ -61,6 +61,7 @@ class Experts(UsesBackend, nn.Module):
         super().__init__()
         experts, hidden, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.limit = cfg.swiglu_limit
+        self.w13_entries = 2 * inter * hidden  # (one expert's gate | up, however stored)
         self.quant = cfg.quantization.experts if cfg.quantization is not None else None
         if self.quant is None:
             self.w13 = nn.Parameter(torch.zeros(experts, 2 * inter, hidden))
