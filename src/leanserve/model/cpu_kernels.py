@@ -37,13 +37,16 @@ EMPTY_2D = np.empty((0, 0), dtype=np.float32)
 _OPTIONS = {"nogil": True, "fastmath": _FLAGS, "error_model": "numpy"}
 
 
-def _jit(fn, parallel: bool = False):
+_EXACT = {"contract"}  # (fused multiply-adds only: for kernels whose results must not depend on vectorisation)
+
+
+def _jit(fn, parallel: bool = False, fastmath=_FLAGS):
     if numba is None:
         return None
     if parallel:  # numba's on-disk cache tells builds apart by function name, not by options: rename
         fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_threaded", fn.__defaults__)
         fn.__qualname__ = fn.__name__
-    return numba.njit(cache=True, parallel=parallel, **_OPTIONS)(fn)
+    return numba.njit(cache=True, parallel=parallel, **{**_OPTIONS, "fastmath": fastmath})(fn)
 
 
 def _inlined(fn):
@@ -203,8 +206,12 @@ rms_norm = Threaded(_rms_norm, min_work=64)
 # The mHC weights of up to LANES tokens are computed side by side, each value stored as m[entry, lane]: every
 # step of the Sinkhorn loop is then a vector operation over the lanes instead of a chain of scalar divisions.
 # (The lane loops run to m's width, a number known only at run time: LLVM unrolls a loop of a constant count
-# this small into scalar code instead of vectorising it.)
+# this small into scalar code instead of vectorising it.) Up to FEW_LANES lanes the Sinkhorn loop runs a lane
+# at a time instead: a vector loop's set-up would cost more than its iterations. No reassociation and no
+# reciprocals here (_EXACT): each lane then gets the same IEEE operations in the same order either way, and
+# the two loops give identical weights.
 LANES = 32
+FEW_LANES = 4
 
 
 def _mhc_lanes(m, scale, base, hc, hc_eps, iters):  # pragma: no cover - compiled
@@ -241,6 +248,19 @@ def _mhc_lanes(m, scale, base, hc, hc_eps, iters):  # pragma: no cover - compile
             for a in range(lanes):
                 m[row + j, a] = m[row + j, a] / total[a] + eps
     # Sinkhorn-Knopp: columns first, then rows and columns, `iters` times in all.
+    if lanes <= FEW_LANES:  # (one lane at a time: the same operations in the same order)
+        for a in range(lanes):
+            for it in range(2 * iters - 1):
+                by_row = it % 2 == 1
+                for x in range(hc):
+                    s = np.float32(0.0)
+                    for y in range(hc):
+                        s += m[c0 + x * hc + y if by_row else c0 + y * hc + x, a]
+                    s += eps
+                    for y in range(hc):
+                        k = c0 + x * hc + y if by_row else c0 + y * hc + x
+                        m[k, a] /= s
+        return
     for it in range(2 * iters - 1):
         by_row = it % 2 == 1
         for x in range(hc):
@@ -257,7 +277,7 @@ def _mhc_lanes(m, scale, base, hc, hc_eps, iters):  # pragma: no cover - compile
                     m[k, a] /= total[a]
 
 
-_mhc_lanes_jit = _jit(_mhc_lanes)
+_mhc_lanes_jit = _jit(_mhc_lanes, fastmath=_EXACT)
 
 
 def _hc_pre(
