@@ -122,13 +122,29 @@ def test_hc_head_matches_torch(tokens):
 @pytest.mark.parametrize("kind", ["moe", "hash_moe"])
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_moe_few_tokens_matches_grouped(kind, scoring, weight_dtype):
+@pytest.mark.parametrize("tokens", ["few", 300])  # (300: a prefill's, in one call as the experts are small)
+def test_moe_kernel_matches_torch(kind, scoring, weight_dtype, tokens):
+    _check_moe(kind, scoring, weight_dtype, tokens)
+
+
+@pytest.mark.parametrize("kind", ["moe", "hash_moe"])
+def test_moe_of_large_experts_in_a_prefill_matches_torch(kind, monkeypatch):
+    # Experts above SMALL_EXPERT take torch's grouped matmuls over rows grouped by expert from FEW_ROWS rows on.
+    from leanserve.model import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "SMALL_EXPERT", 0)
+    moe = _check_moe(kind, "sqrtsoftplus", torch.float32, 300)
+    assert moe.experts.w13_entries > cpu_backend.SMALL_EXPERT
+
+
+def _check_moe(kind, scoring, weight_dtype, tokens):
     from dataclasses import replace
 
     from leanserve.config import ModelConfig
     from leanserve.model.cpu_backend import FEW_ROWS
     from leanserve.model.moe import MoE
 
+    tokens = FEW_ROWS if tokens == "few" else tokens
     cfg = replace(ModelConfig.from_hf("models/dsv4-stdlib-8m"), scoring_func=scoring)
     gen = torch.Generator().manual_seed(7)
     moe = MoE(cfg, kind).requires_grad_(False)
@@ -139,10 +155,11 @@ def test_moe_few_tokens_matches_grouped(kind, scoring, weight_dtype):
         p.data = p.data.to(weight_dtype)
     if kind == "hash_moe":
         moe.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, moe.gate.tid2eid.shape, generator=gen))
-    x = torch.randn(FEW_ROWS, cfg.hidden_size, generator=gen)
-    ids = torch.randint(0, cfg.vocab_size, (FEW_ROWS,), generator=gen)
+    x = torch.randn(tokens, cfg.hidden_size, generator=gen)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen)
     fast, ref = _module_both(moe, x, ids)
     torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-5)
+    return moe
 
 
 def _quantized_experts(w: torch.Tensor, kind: str, halves: int) -> tuple[torch.Tensor, torch.Tensor]:
