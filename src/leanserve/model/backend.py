@@ -79,9 +79,9 @@ class TorchBackend:
     def moe(self, moe, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         return moe.forward_torch(x, input_ids)
 
-    def run_blocks(self, model, fb, caches, ropes, streams: torch.Tensor | None) -> torch.Tensor:
+    def run_blocks(self, model, fb, caches, streams: torch.Tensor | None) -> torch.Tensor:
         """The stage's blocks over a step (embedding first on the first stage): the output streams."""
-        return model.blocks_torch(fb, caches, ropes, streams)
+        return model.blocks_torch(fb, caches, model.ropes(fb), streams)
 
     def run_mtp(self, model, streams, fb, caches) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over a step (fb: the t+1 tokens), from the embedding on: (the head's input at the rows

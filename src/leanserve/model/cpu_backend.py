@@ -284,6 +284,11 @@ class CpuBackend(TorchBackend):
             and fb.input_ids.is_cpu
         )
 
+    def _angles(self, rotary, positions: torch.Tensor) -> np.ndarray:
+        """A RoPE table at `positions` as the kernels take it, real pairs [N, R/2, 2], indexed from the table's
+        kept numpy view (no torch op)."""
+        return self.kept_views(rotary, rotary.pairs)[positions.numpy()]
+
     def plan(self, block, cache) -> decode.Plan:
         """The block's decode plan with this cache, made again when a weight's storage changed."""
         key = (id(block), id(cache))
@@ -293,13 +298,13 @@ class CpuBackend(TorchBackend):
             plan = self._plans[key] = decode.Plan(numpy_views(block.weights()), tensors, cache)
         return plan
 
-    def run_blocks(self, model, fb, caches, ropes, streams):
+    def run_blocks(self, model, fb, caches, streams):
         if not self.decode_step(fb, model.act_dtype):
-            return super().run_blocks(model, fb, caches, ropes, streams)
+            return super().run_blocks(model, fb, caches, streams)
         plans = [self.plan(block, caches[key]) for key, block in model.layers.items()]
         embed = self.kept_views(model.embed, model.embed.table) if streams is None else None
         s = None if streams is None else streams.numpy()
-        step = decode.Step(fb, decode.rope_angles(ropes))
+        step = decode.Step(fb, model.ropes(fb, self._angles))
         return torch.from_numpy(decode.run_blocks(embed, plans, model.cfg.hc_mult, step, s))
 
     def run_mtp(self, model, streams, fb, caches):
@@ -312,8 +317,7 @@ class CpuBackend(TorchBackend):
         if plan is None or plan.w is not w.block:  # (the block's views are the MTP layer's, kept with them)
             plan = self._plans[(id(mtp), id(cache))] = decode.Plan(w.block, [], cache)
         embed = self.kept_views(model.embed, model.embed.table)
-        rotary = model.rotary_main
-        angles = {"main": self.kept_views(rotary, rotary.pairs)[fb.positions.numpy()]}  # (sliding attention)
+        angles = model.ropes(fb, self._angles)  # (sliding attention only: "main")
         rows = None if fb.logits_index is None else fb.logits_index.numpy()
         hidden, out = decode.run_mtp(w, plan, embed, streams.numpy(), decode.Step(fb, angles), rows)
         return torch.from_numpy(hidden), torch.from_numpy(out)

@@ -136,14 +136,9 @@ def cache_rows(cache: LayerCache) -> tuple[np.ndarray, np.ndarray]:
 
 
 # --- a decode-sized step ------------------------------------------------------------------------------------
-def rope_angles(ropes: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """The step's RoPE tables (complex, per kind) as the kernels take them: real pairs [N, R/2, 2]."""
-    return {k: torch.view_as_real(r.contiguous()).numpy() for k, r in ropes.items()}
-
-
 class Step:
-    """The step's metadata as numpy arrays, converted once for all layers; `angles` from rope_angles, or indexed
-    straight from a table of every position's (Rotary.pairs)."""
+    """The step's metadata as numpy arrays, converted once for all layers; `angles` the RoPE tables per kind as
+    real pairs [N, R/2, 2] (DeepseekV4.ropes, read from numpy views of Rotary.pairs)."""
 
     def __init__(self, fb: ForwardBatch, angles: dict[str, np.ndarray]) -> None:
         g = fb.groups[0]

@@ -102,12 +102,16 @@ class DeepseekV4(UsesBackend, nn.Module):
         return next(self.parameters()).device
 
     # --- forward --------------------------------------------------------------------------------------
-    def ropes(self, fb: ForwardBatch) -> dict[str, Rope]:
-        ropes = {"main": self.rotary_main.table(fb.positions)}
+    def ropes(self, fb: ForwardBatch, lookup=None) -> dict:
+        """The step's RoPE factors per kind: the main and compress tables at the tokens' positions, and the
+        compress table at each compressed kind's new rows; `lookup(rotary, positions)` reads a table (default:
+        Rotary.table, complex factors)."""
+        get = lookup if lookup is not None else (lambda rotary, positions: rotary.table(positions))
+        ropes = {"main": get(self.rotary_main, fb.positions)}
         if self.rotary_compress is not None and fb.compress:  # (the MTP layer's batches have no compression)
-            ropes["compress"] = self.rotary_compress.table(fb.positions)
+            ropes["compress"] = get(self.rotary_compress, fb.positions)
             for kind, meta in fb.compress.items():
-                ropes[kind] = self.rotary_compress.table(meta.row_pos)
+                ropes[kind] = get(self.rotary_compress, meta.row_pos)
         return ropes
 
     def forward(
@@ -121,7 +125,7 @@ class DeepseekV4(UsesBackend, nn.Module):
         [T, hc_mult, hidden]. Returns the streams (non-last stage) or float32 logits for the rows in
         fb.logits_index (last stage). `target_hidden`, when given, receives the pre-hc_head streams
         [T, hc_mult * hidden] (for the MTP drafter)."""
-        streams = self.ops.run_blocks(self, fb, caches, self.ropes(fb), None if self.stage.is_first else streams)
+        streams = self.ops.run_blocks(self, fb, caches, None if self.stage.is_first else streams)
         if not self.stage.is_last:
             return streams
         if target_hidden is not None:
