@@ -1156,7 +1156,7 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
             out[t, k] += ys[r, k]
 
 
-moe_tokens = Threaded(_moe_tokens, min_work=1)
+moe_tokens = Threaded(_moe_tokens, min_work=2)
 
 
 # --- KV compressor, decode-sized steps ------------------------------------------------------------------
