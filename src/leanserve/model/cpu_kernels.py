@@ -29,7 +29,6 @@ except ImportError:  # the torch path is used instead
 # Reassociation lets reductions vectorise; no "no-NaN/no-inf" flags, since masks use -inf.
 _FLAGS = {"reassoc", "contract", "nsz", "arcp"}
 EMPTY = np.empty(0, dtype=np.float32)  # "no weight"
-EMPTY_2D = np.empty((0, 0), dtype=np.float32)
 
 
 # Division by zero gives inf or nan, as in torch, instead of numba's default ZeroDivisionError check: that check
@@ -280,12 +279,9 @@ def _mhc_lanes(m, scale, base, hc, hc_eps, iters):  # pragma: no cover - compile
 _mhc_lanes_jit = _jit(_mhc_lanes, fastmath=_EXACT)
 
 
-def _hc_pre(
-    streams, fn, projected, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out
-):  # pragma: no cover
+def _hc_pre(streams, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out):  # pragma: no cover
     # streams [T, hc, D]; fn [M, hc*D], M = (2+hc)*hc (or hc: hc_head, pre only): the mixes are
-    # RMSNorm(flat streams) @ fn^T, computed as (flat streams @ fn^T) * the row's RMS scale (one number per row);
-    # `projected` [T, M] is flat streams @ fn^T when the caller computed it (empty: computed here).
+    # RMSNorm(flat streams) @ fn^T, computed as (flat streams @ fn^T) * the row's RMS scale (one number per row).
     # weights_out [T, M]: pre | post | comb (see _mhc_lanes); x_out [T, D]: RMSNorm_w(sum_i pre_i * streams_i).
     n, hc, d = streams.shape
     width = fn.shape[0]
@@ -295,10 +291,7 @@ def _hc_pre(
         t0 = blk * size
         lanes = min(size, n - t0)
         raw = np.empty((lanes, width), dtype=np.float32)
-        if projected.shape[0] > 0:
-            raw[:] = projected[t0 : t0 + lanes]
-        else:
-            _linear_rows_jit(flat[t0 : t0 + lanes], fn, raw, lanes)
+        _linear_rows_jit(flat[t0 : t0 + lanes], fn, raw, lanes)
         m = np.empty((width, lanes), dtype=np.float32)
         for a in range(lanes):
             t = t0 + a

@@ -49,15 +49,12 @@ def rope_arrays(x: np.ndarray, angles: np.ndarray, eps: float, normalize: bool, 
     return out
 
 
-def hc_pre_arrays(streams: np.ndarray, w: MixWeights, projected=None) -> tuple[np.ndarray, np.ndarray]:
-    """hc_pre (or hc_head, sinkhorn_iters 0): (normalised block input [T, D], pre | post | comb weights [T, M]).
-    `projected`, if given, is flat streams @ fn^T [T, M], computed by the caller."""
+def hc_pre_arrays(streams: np.ndarray, w: MixWeights) -> tuple[np.ndarray, np.ndarray]:
+    """hc_pre (or hc_head, sinkhorn_iters 0): (normalised block input [T, D], pre | post | comb weights [T, M])."""
     n = streams.shape[0]
     x = np.empty((n, streams.shape[2]), dtype=np.float32)
     weights = np.empty((n, w.fn.shape[0]), dtype=np.float32)
-    projected = ck.EMPTY_2D if projected is None else projected
-    ck.hc_pre(n, streams, w.fn, projected, w.scale, w.base, w.hc_eps, w.sinkhorn_iters, w.norm_eps, w.norm_weight, x,
-              weights)  # fmt: skip
+    ck.hc_pre(n, streams, w.fn, w.scale, w.base, w.hc_eps, w.sinkhorn_iters, w.norm_eps, w.norm_weight, x, weights)
     return x, weights
 
 
