@@ -219,11 +219,12 @@ def test_kernels_dequantize_as_quant_py():
 
 
 @pytest.mark.parametrize("rows", [1, 5, 17, 64, 70])
-@pytest.mark.parametrize(("out_features", "in_features"), [(256, 384), (300, 200), (41, 64)])
+@pytest.mark.parametrize(("out_features", "in_features"), [(256, 384), (300, 200), (41, 64), (64, 1152)])
 def test_fp8_linear_matches_torch(rows, out_features, in_features):
     # FP8 weights are dequantized in registers: the same sums as the float32 kernel on the dequantized weight
     # (exactly, but for one row), and torch's matmul on it up to float32 summation order. One call may mix FP8 and plain weights.
-    # (70 rows: a prefill's, torch matmuls on each weight dequantized alone.)
+    # (70 rows of 1152 inputs, more than NARROW_INPUT: a V4-sized prefill's, torch matmuls on each weight
+    # dequantized alone.)
     from leanserve.model.quant import dense, quantize_fp8
 
     gen = torch.Generator().manual_seed(rows * in_features)

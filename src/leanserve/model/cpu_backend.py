@@ -24,6 +24,11 @@ from leanserve.model.quant import Fp4Weight, Fp8Experts, Fp8Weight
 # overhead; above it, torch's blocked matmuls (the MoE's over tokens grouped by expert, unless its experts are
 # small: SMALL_EXPERT).
 FEW_ROWS = 64
+# Linears (and grouped linears) of at most this many inputs run as compiled loops at any number of rows: the
+# kernels' register tiles beat torch's matmuls there (kernel / torch at 512 rows: 0.80 at 384 inputs, 0.57 at
+# 512, 0.93 at 1024; 15-30% faster from 192 x 548 to 96 x 256 at 2048 rows, bf16 weights included), not at
+# V4's widths (1.25 at 4096 inputs).
+NARROW_INPUT = 1024
 # Steps of up to this many tokens whose rows go into the rings first (decode, verification, the MTP layer's
 # steps) run the blocks as numpy arrays through the kernels, one plan per block (decode.py).
 DECODE_TOKENS = 64
@@ -144,7 +149,7 @@ class CpuBackend(TorchBackend):
     # --- small ops ------------------------------------------------------------------------------------
     def linears(self, x, weights):
         rows = x.numel() // x.shape[-1]
-        if rows <= FEW_ROWS and _activations(x) and _linear_weights(weights):
+        if (rows <= FEW_ROWS or x.shape[-1] <= NARROW_INPUT) and _activations(x) and _linear_weights(weights):
             views = tuple([numpy_views(w) for w in weights])  # (FP8 and plain weights: one kernel call each)
             outs = ck.matmuls(x.view(rows, x.shape[-1]).numpy(), views)
             return tuple([torch.from_numpy(o).view(*x.shape[:-1], o.shape[1]) for o in outs])
@@ -155,7 +160,11 @@ class CpuBackend(TorchBackend):
         return super().linears(x, weights)
 
     def grouped_linear(self, x, weight):
-        if x.shape[0] <= FEW_ROWS and _activations(x) and _weights((weight,), (Fp8Weight,)):
+        if (
+            (x.shape[0] <= FEW_ROWS or x.shape[-1] <= NARROW_INPUT)
+            and _activations(x)
+            and _weights((weight,), (Fp8Weight,))
+        ):
             w = numpy_views(weight)
             w = w if isinstance(w, Fp8Weight) else w.reshape(x.shape[1], -1, x.shape[2])
             return torch.from_numpy(decode.grouped_linear_arrays(x.numpy(), w))
