@@ -21,8 +21,8 @@ from leanserve.model.quant import Fp4Weight, Fp8Experts, Fp8Weight
 
 # Up to this many rows, a linear layer, a grouped linear and the whole MoE run as compiled loops (decode and
 # verification steps): at these sizes torch's matmuls cost several times the arithmetic in call and packing
-# overhead; above it, torch's blocked matmuls (the MoE's over tokens grouped by expert, unless its experts are
-# small: SMALL_EXPERT).
+# overhead; above it, torch's blocked matmuls (the MoE's over tokens grouped by expert), unless the inputs are
+# narrow (NARROW_INPUT) or the experts small (SMALL_EXPERT).
 FEW_ROWS = 64
 # Linears (and grouped linears) of at most this many inputs run as compiled loops at any number of rows: the
 # kernels' register tiles beat torch's matmuls there (kernel / torch at 512 rows: 0.80 at 384 inputs, 0.57 at
@@ -51,6 +51,11 @@ def _activations(*tensors: torch.Tensor | None, strided: tuple[torch.Tensor, ...
         if t is not None and (t.dtype is not _F32 or not t.is_cpu or t.requires_grad or not t.is_contiguous()):
             return False
     return not any(t.dtype is not _F32 or not t.is_cpu or t.requires_grad for t in strided)
+
+
+def _compiled_linear(rows: int, inputs: int) -> bool:
+    """Whether a (grouped) linear of this many rows and inputs runs as compiled loops (FEW_ROWS, NARROW_INPUT)."""
+    return rows <= FEW_ROWS or inputs <= NARROW_INPUT
 
 
 def _plain(t) -> bool:
@@ -149,7 +154,7 @@ class CpuBackend(TorchBackend):
     # --- small ops ------------------------------------------------------------------------------------
     def linears(self, x, weights):
         rows = x.numel() // x.shape[-1]
-        if (rows <= FEW_ROWS or x.shape[-1] <= NARROW_INPUT) and _activations(x) and _linear_weights(weights):
+        if _compiled_linear(rows, x.shape[-1]) and _activations(x) and _linear_weights(weights):
             views = tuple([numpy_views(w) for w in weights])  # (FP8 and plain weights: one kernel call each)
             outs = ck.matmuls(x.view(rows, x.shape[-1]).numpy(), views)
             return tuple([torch.from_numpy(o).view(*x.shape[:-1], o.shape[1]) for o in outs])
@@ -160,11 +165,7 @@ class CpuBackend(TorchBackend):
         return super().linears(x, weights)
 
     def grouped_linear(self, x, weight):
-        if (
-            (x.shape[0] <= FEW_ROWS or x.shape[-1] <= NARROW_INPUT)
-            and _activations(x)
-            and _weights((weight,), (Fp8Weight,))
-        ):
+        if _compiled_linear(x.shape[0], x.shape[-1]) and _activations(x) and _weights((weight,), (Fp8Weight,)):
             w = numpy_views(weight)
             w = w if isinstance(w, Fp8Weight) else w.reshape(x.shape[1], -1, x.shape[2])
             return torch.from_numpy(decode.grouped_linear_arrays(x.numpy(), w))

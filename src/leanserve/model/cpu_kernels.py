@@ -31,12 +31,10 @@ _FLAGS = {"reassoc", "contract", "nsz", "arcp"}
 EMPTY = np.empty(0, dtype=np.float32)  # "no weight"
 
 
+_EXACT = {"contract"}  # (fused multiply-adds only: for kernels whose results must not depend on vectorisation)
 # Division by zero gives inf or nan, as in torch, instead of numba's default ZeroDivisionError check: that check
 # is a branch at every division, and a branch in a loop stops it from vectorising.
-_OPTIONS = {"nogil": True, "fastmath": _FLAGS, "error_model": "numpy"}
-
-
-_EXACT = {"contract"}  # (fused multiply-adds only: for kernels whose results must not depend on vectorisation)
+_OPTIONS = {"nogil": True, "error_model": "numpy"}
 
 
 def _jit(fn, parallel: bool = False, fastmath=_FLAGS):
@@ -45,12 +43,12 @@ def _jit(fn, parallel: bool = False, fastmath=_FLAGS):
     if parallel:  # numba's on-disk cache tells builds apart by function name, not by options: rename
         fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_threaded", fn.__defaults__)
         fn.__qualname__ = fn.__name__
-    return numba.njit(cache=True, parallel=parallel, **{**_OPTIONS, "fastmath": fastmath})(fn)
+    return numba.njit(cache=True, parallel=parallel, fastmath=fastmath, **_OPTIONS)(fn)
 
 
 def _inlined(fn):
     """A helper compiled into the kernels that call it."""
-    return numba.njit(inline="always", **_OPTIONS)(fn)
+    return numba.njit(inline="always", fastmath=_FLAGS, **_OPTIONS)(fn)
 
 
 prange = numba.prange if numba is not None else range
@@ -85,6 +83,14 @@ def _exp(x):  # pragma: no cover - compiled
 
 
 _exp_jit = _inlined(_exp) if numba is not None else None
+
+
+def _copy_row(dst, src):  # pragma: no cover - compiled: dst[:] = src for two 1-D rows, as a plain loop
+    for d in range(dst.shape[0]):
+        dst[d] = src[d]
+
+
+_copy_row_jit = _inlined(_copy_row) if numba is not None else None
 
 
 class Threaded:
@@ -213,6 +219,13 @@ LANES = 32
 FEW_LANES = 4
 
 
+def _comb(c0, hc, x, y, it):  # pragma: no cover - compiled: entry y of line x in Sinkhorn pass `it`
+    return c0 + x * hc + y if it % 2 == 1 else c0 + y * hc + x
+
+
+_comb_jit = _inlined(_comb) if numba is not None else None
+
+
 def _mhc_lanes(m, scale, base, hc, hc_eps, iters):  # pragma: no cover - compiled
     # m [(2+hc)*hc, lanes] mixes, in place -> pre (sigmoid + eps) | post (2 * sigmoid) | comb (softmax per row
     # + eps, then Sinkhorn-normalised; row-major). m [hc, lanes] (hc_head's mixes): pre only.
@@ -246,32 +259,30 @@ def _mhc_lanes(m, scale, base, hc, hc_eps, iters):  # pragma: no cover - compile
         for j in range(hc):
             for a in range(lanes):
                 m[row + j, a] = m[row + j, a] / total[a] + eps
-    # Sinkhorn-Knopp: columns first, then rows and columns, `iters` times in all.
+    # Sinkhorn-Knopp: columns first, then rows and columns, `iters` times in all; pass `it` normalises line x
+    # (a row on odd passes, a column on even ones), whose y-th entry is m[_comb(c0, hc, x, y, it), lane].
     if lanes <= FEW_LANES:  # (one lane at a time: the same operations in the same order)
         for a in range(lanes):
             for it in range(2 * iters - 1):
-                by_row = it % 2 == 1
                 for x in range(hc):
                     s = np.float32(0.0)
                     for y in range(hc):
-                        s += m[c0 + x * hc + y if by_row else c0 + y * hc + x, a]
+                        s += m[_comb_jit(c0, hc, x, y, it), a]
                     s += eps
                     for y in range(hc):
-                        k = c0 + x * hc + y if by_row else c0 + y * hc + x
-                        m[k, a] /= s
+                        m[_comb_jit(c0, hc, x, y, it), a] /= s
         return
     for it in range(2 * iters - 1):
-        by_row = it % 2 == 1
         for x in range(hc):
             total[:] = 0.0
             for y in range(hc):
-                k = c0 + x * hc + y if by_row else c0 + y * hc + x
+                k = _comb_jit(c0, hc, x, y, it)
                 for a in range(lanes):
                     total[a] += m[k, a]
             for a in range(lanes):
                 total[a] += eps
             for y in range(hc):
-                k = c0 + x * hc + y if by_row else c0 + y * hc + x
+                k = _comb_jit(c0, hc, x, y, it)
                 for a in range(lanes):
                     m[k, a] /= total[a]
 
@@ -1284,21 +1295,14 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
         kv = np.empty((keys, dim), dtype=np.float32)  # the block's keys (= values)
         for k in range(span):
             r = key_index[b, lo + k]
-            if r < ring_rows:
-                for d in range(dim):
-                    kv[k, d] = ring[r, d]
-            else:
-                for d in range(dim):
-                    kv[k, d] = new_kv[r - ring_rows, d]
+            _copy_row_jit(kv[k], ring[r] if r < ring_rows else new_kv[r - ring_rows])
         for j in range(comp):
-            for d in range(dim):
-                kv[span + j, d] = rows[slot[b], sel[j], d]
+            _copy_row_jit(kv[span + j], rows[slot[b], sel[j]])
         qh = np.zeros((block * heads, dim), dtype=np.float32)  # rows (query i, head h) at i * heads + h
         for i in range(block):
             if q_valid[b, i]:
                 for h in range(heads):
-                    for d in range(dim):
-                        qh[i * heads + h, d] = q[q_rows[b, i], h, d]
+                    _copy_row_jit(qh[i * heads + h], q[q_rows[b, i], h])
         scores = np.empty((block * heads, keys), dtype=np.float32)
         _linear_rows_f32_jit(qh, kv, scores, block * heads)
         for i in range(block):
