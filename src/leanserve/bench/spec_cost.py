@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from leanserve.bench.common import mtp_runner, prefill, timed
+from leanserve.bench.common import mtp_runner, prefill, random_prompts, timed
 
 
 @dataclass
@@ -36,7 +36,8 @@ def spec_cost_bench(
 ) -> list[SpecCostRow]:
     """Times the parts of a one-token MTP speculative step against a plain decode step on the same caches,
     interleaved at the same positions (each arm rewrites the last one's: a rollback), medians over `repeats`.
-    A step yields at most 2 tokens, so 2 / (its cost in plain steps) bounds MTP k = 1's speed-up."""
+    A step yields at most 2 tokens, so 2 / (its cost in plain steps) bounds MTP k = 1's speed-up. The tokens are
+    varied (seeded), as in text: a token and its draft route to different experts, which is what verifying costs."""
     from leanserve.engine.proposers import ProposeItem
     from leanserve.engine.runner import SampleSpec, StepPlan
     from leanserve.model.batch import Chunk
@@ -46,20 +47,25 @@ def spec_cost_bench(
     runner = mtp_runner(model, most, prompt_len + repeats + 8, max(2048, most * prompt_len), dtype)
     greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20)
     rows = []
+    ids = random_prompts(most, repeats + 8, runner.cfg.vocab_size, 0).tolist()  # ids[slot][round + i]
     for batch in batch_sizes:
-        prefill(runner, batch, prompt_len, (5,) * batch)
+        prefill(runner, batch, prompt_len, tuple(ids[s][0] for s in range(batch)))
 
         def trunk(position: int, drafts: int, batch: int = batch) -> float:
             # The trunk alone (the proposal is timed apart); the verify arm keeps its streams for the proposals.
-            chunks = tuple(Chunk(s, position, (5,) * (1 + drafts)) for s in range(batch))
-            samples = tuple(SampleSpec(s, greedy, 0, 0, s, (5,) * drafts) for s in range(batch))
+            r = position - prompt_len
+            chunks = tuple(Chunk(s, position, tuple(ids[s][r : r + 1 + drafts])) for s in range(batch))
+            samples = tuple(SampleSpec(s, greedy, 0, 0, s, tuple(ids[s][r + 1 : r + 1 + drafts])) for s in range(batch))
             plan = StepPlan(chunks, tuple(range(batch * (1 + drafts))), samples, (-1,) * batch)
             return timed(runner.execute, plan, propose=False, capture_hidden=bool(drafts))[0]
 
         def propose(position: int, accepted: bool, batch: int = batch) -> float:
             # After a verify step at `position`: catch up over 1 (rejected) or 2 (accepted) positions, then draft.
-            known = (5, 5, 7) if accepted else (5, 7)
-            items = [ProposeItem(s, position, known, 2 * s, s, greedy, 1, 1) for s in range(batch)]
+            r = position - prompt_len
+            items = [
+                ProposeItem(s, position, tuple(ids[s][r : r + (3 if accepted else 2)]), 2 * s, s, greedy, 1, 1)
+                for s in range(batch)
+            ]
             return timed(runner.proposer.propose, items, dict.fromkeys(range(batch), 0))[0]
 
         times: dict[str, list[float]] = {"plain": [], "verify": [], "rejected": [], "accepted": []}

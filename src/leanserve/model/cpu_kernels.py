@@ -385,10 +385,25 @@ norm_rope = Threaded(_norm_rope, min_work=16)
 
 
 # --- Linear for a few rows --------------------------------------------------------------------------------
+def _weight(w, j, k):  # pragma: no cover - compiled through the overload below
+    """w[j, k] as a float32: a float32 weight's entry, or a bfloat16 one (its uint16 bits) widened in registers
+    (a bfloat16 is the top half of a float32)."""
+
+
+if numba is not None:
+
+    @numba.extending.overload(_weight, inline="always")
+    def _weight_typed(w, j, k):
+        if w.dtype == numba.types.float32:
+            return lambda w, j, k: w[j, k]
+        return lambda w, j, k: _f32_from_bits(np.int32(np.uint32(w[j, k]) << np.uint32(16)))
+
+
 def _linear_rows_f32(x, w, out, n):  # pragma: no cover - compiled
-    # out[:n] = x[:n] @ w^T for x [>=n, K], w [J, K]: four rows of x per pass over w, two weight rows at a
-    # time (eight sums in registers, six loads per eight multiply-adds). x and w must be C-contiguous for the
-    # inner loops to vectorise.
+    # out[:n] = x[:n] @ w^T for x [>=n, K], w [J, K] (float32, or bfloat16 bits widened as read): four rows of x
+    # per pass over w, two weight rows at a time (eight sums in registers, six loads per eight multiply-adds);
+    # the last one to three rows in one more pass (speculative verification: two to four tokens a sequence).
+    # x and w must be C-contiguous for the inner loops to vectorise.
     k_dim = x.shape[1]
     rows = w.shape[0]
     t = 0
@@ -404,7 +419,7 @@ def _linear_rows_f32(x, w, out, n):  # pragma: no cover - compiled
             b2 = np.float32(0.0)
             b3 = np.float32(0.0)
             for k in range(k_dim):
-                v, u = w[j, k], w[j + 1, k]
+                v, u = _weight(w, j, k), _weight(w, j + 1, k)
                 x0, x1, x2, x3 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
                 a0 += v * x0
                 a1 += v * x1
@@ -423,7 +438,7 @@ def _linear_rows_f32(x, w, out, n):  # pragma: no cover - compiled
             s2 = np.float32(0.0)
             s3 = np.float32(0.0)
             for k in range(k_dim):
-                v = w[j, k]
+                v = _weight(w, j, k)
                 s0 += v * x[t, k]
                 s1 += v * x[t + 1, k]
                 s2 += v * x[t + 2, k]
@@ -433,22 +448,34 @@ def _linear_rows_f32(x, w, out, n):  # pragma: no cover - compiled
             out[t + 2, j] = s2
             out[t + 3, j] = s3
         t += 4
-    if t + 2 <= n:  # (speculative verification: two tokens per sequence)
+    if t + 3 == n:
+        for j in range(rows):
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            for k in range(k_dim):
+                v = _weight(w, j, k)
+                s0 += v * x[t, k]
+                s1 += v * x[t + 1, k]
+                s2 += v * x[t + 2, k]
+            out[t, j] = s0
+            out[t + 1, j] = s1
+            out[t + 2, j] = s2
+    elif t + 2 == n:
         for j in range(rows):
             s0 = np.float32(0.0)
             s1 = np.float32(0.0)
             for k in range(k_dim):
-                v = w[j, k]
+                v = _weight(w, j, k)
                 s0 += v * x[t, k]
                 s1 += v * x[t + 1, k]
             out[t, j] = s0
             out[t + 1, j] = s1
-        t += 2
-    if t < n:
+    elif t + 1 == n:
         for j in range(rows):
             s = np.float32(0.0)
             for k in range(k_dim):
-                s += w[j, k] * x[t, k]
+                s += _weight(w, j, k) * x[t, k]
             out[t, j] = s
 
 
@@ -478,14 +505,10 @@ if numba is not None:
             return blocked
 
         def widened(x, w, out, n):
-            k_dim = w.shape[1]
-            if n == 1:  # one row of x (decode at batch 1): each weight row widened in registers, once
-                for j in range(w.shape[0]):
-                    s = np.float32(0.0)
-                    for k in range(k_dim):
-                        s += _f32_from_bits(np.int32(np.uint32(w[j, k]) << np.uint32(16))) * x[0, k]
-                    out[0, j] = s
+            if n <= 4:  # (decode at batch 1, verification): each weight entry widened in registers, once
+                _linear_rows_f32_jit(x, w, out, n)
                 return
+            k_dim = w.shape[1]
             buf = np.empty((ROW_BLOCK, k_dim), dtype=np.uint32)
             for j0 in range(0, w.shape[0], ROW_BLOCK):
                 block = min(ROW_BLOCK, w.shape[0] - j0)
