@@ -15,7 +15,9 @@ import card  # scripts/card.py: conftest puts scripts/ on sys.path
 from card import card_main
 from leanserve import LLM, SamplingParams
 from leanserve.config import ConfigError
+from leanserve.model import hyper
 from leanserve.train import data
+from leanserve.train import forward as fwd
 from leanserve.train.architecture import model_config, new_model
 from leanserve.train.evaluate import eval_main, evaluate
 from leanserve.train.forward import check_parity
@@ -192,6 +194,43 @@ def test_training_forward_matches_inference_forward():
     assert check_parity(model, ids) < 1e-4
 
 
+def test_compiled_mhc_trains_the_same_model_as_eager_mhc():
+    # torch.compile changes how fast mHC's ops run, not what is learned: same losses and gradients.
+    model = trained_like_model("torch")
+    ids = torch.randint(0, 320, (2, 98), generator=torch.Generator().manual_seed(0))
+    if fwd.compiled_mhc() is None:
+        pytest.skip("torch.compile cannot compile on this machine (no C++ compiler)")
+    eager, compiled = (fwd.make_ctx(model, 2, 96, compiled=c) for c in (False, True))
+    assert compiled.hc_pre is not hyper.hc_pre and eager.hc_pre is hyper.hc_pre
+    grads = []
+    for ctx in (eager, compiled):
+        model.zero_grad(set_to_none=True)
+        losses = fwd.compute_losses(model, ids, ctx, 0.3, 1.0)
+        losses.total.backward()
+        grads.append((losses.lm, losses.mtp, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (lm_e, mtp_e, g_e), (lm_c, mtp_c, g_c) = grads
+    assert abs(lm_e - lm_c) < 1e-5 and abs(mtp_e - mtp_c) < 1e-5
+    assert all(torch.allclose(a, b, rtol=1e-3, atol=1e-5) for a, b in zip(g_e, g_c, strict=True))
+
+
+def test_training_runs_eagerly_where_torch_compile_cannot(monkeypatch, tmp_path, corpus_dir, caplog):
+    def no_compiler(fn, **kw):
+        def fails(*a, **k):
+            raise RuntimeError("no C++ compiler")
+
+        return fails
+
+    fwd.compiled_mhc.cache_clear()
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    try:
+        with caplog.at_level("WARNING", logger="leanserve"):
+            summary = train(tiny_config(tmp_path / "out", corpus_dir), log=lambda m: None)
+        assert "torch.compile is unavailable (RuntimeError); mHC runs eagerly" in caplog.text
+        assert summary["steps"] == 3 and (tmp_path / "out" / "model.safetensors").is_file()
+    finally:
+        fwd.compiled_mhc.cache_clear()
+
+
 def trained_like_model(backend: str):
     """TINY_MODEL (sliding, CSA, HCA; hash and top-k MoE) with the parameters the init leaves at 0 or 1 (mHC
     base and scale, sinks, ape, norms, router biases) made random, so that none of them can drift unseen."""
@@ -217,8 +256,6 @@ def test_training_forward_matches_inference_forward_on_every_path(backend):
 
 @pytest.mark.parametrize("drift", ["the indexer picks the lowest", "entries visible a token early"])
 def test_parity_check_catches_a_training_layout_that_drifts(monkeypatch, drift):
-    from leanserve.train import forward as fwd
-
     model = trained_like_model("torch")
     ids = torch.randint(0, 320, (2, 98), generator=torch.Generator().manual_seed(0))
     if drift == "the indexer picks the lowest":

@@ -54,6 +54,7 @@ class DistillConfig:
     w_data: float = 0.0  # weight of the plain next-next-token loss against the soft target
     seed: int = 1
     threads: int = 2
+    compile: bool = True  # mHC through torch.compile (forward.compiled_mhc; eager where it cannot compile)
     eval_tokens: int = 32768  # held-out tokens evaluated before and after (0: skip)
     progress: bool = True
 
@@ -126,7 +127,7 @@ def distill(dc: DistillConfig, log=print, argv: list[str] | None = None, prepare
         log("before: " + format_eval(before))
 
     optimizer = torch.optim.AdamW(params, lr=dc.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    ctx = make_ctx(model, dc.batch_size, dc.seq_len)
+    ctx = make_ctx(model, dc.batch_size, dc.seq_len, compiled=dc.compile)
     b, length = dc.batch_size, dc.seq_len
     records = []
     start = time.perf_counter()
@@ -232,13 +233,15 @@ def distill_main(argv: list[str] | None = None) -> int:
     p.add_argument("--w-data", type=float, default=d.w_data, help="weight of the real-token MTP loss (0..1)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--no-compile", action="store_true", help="run mHC eagerly instead of through torch.compile")
     p.add_argument("--eval-tokens", type=int, default=d.eval_tokens, help="held-out tokens evaluated before/after")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     dc = DistillConfig(
         model=args.model, out=args.out, corpus=args.corpus, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
-        w_data=args.w_data, seed=args.seed, threads=args.threads, eval_tokens=args.eval_tokens,
+        w_data=args.w_data, seed=args.seed, threads=args.threads, compile=not args.no_compile,
+        eval_tokens=args.eval_tokens,
         progress=not args.no_progress,
     )  # fmt: skip
     try:

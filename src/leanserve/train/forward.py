@@ -7,7 +7,9 @@ The MTP layer at position t sees the trunk's pre-hc_head streams at t and the em
 
 The math is the model's own torch statement (training builds its model on the torch backend): mHC (hyper.hc_pre /
 hc_post, the head_hidden methods), Attention.queries_kv / scores / attend_scores / output, Compressor.pool,
-Indexer.queries / scores / pick, MoE.routed_torch. What this module adds is the layout of whole sequences that
+Indexer.queries / scores / pick, MoE.routed_torch; mHC's hc_pre and hc_post can run through torch.compile
+(`make_ctx(..., compiled=True)`: the same statement, its many small ops on [tokens, 4, 4] fused, about 1.2x
+faster steps). What this module adds is the layout of whole sequences that
 start at position 0, instead of cache rings and per-token gathers: sliding-window attention in blocks of
 queries, every window's compressed entry at once, the indexer's top-k as a mask; and what only training
 needs: the indexer's KL target and the routers' loads. `check_parity` compares it with the model's inference
@@ -22,6 +24,9 @@ Two parts of DeepSeek-V4 get no gradient from the language-model loss, and are t
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,9 +58,27 @@ class Ctx:
     window_mask: torch.Tensor  # [nb, block, block + window] bool
     visible: dict[str, torch.Tensor]  # per kind: [L, rows] bool
     stats: dict[str, Any] = field(default_factory=dict)  # filled by the forward: router loads, indexer loss
+    hc_pre: Callable = hyper.hc_pre  # mHC's torch statement, or its torch.compile'd build (make_ctx)
+    hc_post: Callable = hyper.hc_post
 
 
-def make_ctx(model: DeepseekV4, batch: int, length: int) -> Ctx:
+@functools.cache
+def compiled_mhc() -> tuple[Callable, Callable] | None:
+    """hyper.hc_pre and hc_post through torch.compile, or None where it cannot compile here (it needs a C++
+    compiler): probed once on a small input, so that a machine without one trains eagerly instead of failing."""
+    pre, post = torch.compile(hyper.hc_pre, dynamic=False), torch.compile(hyper.hc_post, dynamic=False)
+    try:
+        streams = torch.ones(2, 2, 4)
+        w = hyper.MixWeights(torch.ones(8, 8), torch.zeros(8), torch.ones(3), torch.ones(4), 1e-6, 1e-6, 2)
+        x, p, c = pre(streams, w)
+        post(x, streams, p, c)
+    except Exception as e:  # (torch's compile errors have no common base class)
+        logging.getLogger("leanserve").warning("torch.compile is unavailable (%s); mHC runs eagerly", type(e).__name__)
+        return None
+    return pre, post
+
+
+def make_ctx(model: DeepseekV4, batch: int, length: int, compiled: bool = False) -> Ctx:
     cfg = model.cfg
     window = cfg.sliding_window
     block = window
@@ -75,7 +98,11 @@ def make_ctx(model: DeepseekV4, batch: int, length: int) -> Ctx:
     k_pos = q_pos[:, :1] - window + torch.arange(block + window)  # [nb, Q + W]
     diff = q_pos[:, :, None] - k_pos[:, None, :]
     mask = (diff >= 0) & (diff < window) & (k_pos[:, None, :] >= 0)
-    return Ctx(batch, length, block, padded, main, compress, row_rope, mask, visible)
+    ctx = Ctx(batch, length, block, padded, main, compress, row_rope, mask, visible)
+    mhc = compiled_mhc() if compiled else None
+    if mhc is not None:
+        ctx.hc_pre, ctx.hc_post = mhc
+    return ctx
 
 
 def _compress(comp: Compressor, kv: torch.Tensor, gate: torch.Tensor, ctx: Ctx, kind: str) -> torch.Tensor:
@@ -163,10 +190,10 @@ def _moe(moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, ctx: Ctx, stats_key
 
 
 def _block(block: Block, streams: torch.Tensor, input_ids: torch.Tensor, ctx: Ctx, key: str) -> torch.Tensor:
-    x, post, comb = hyper.hc_pre(streams, block.mix("attn"))
-    streams = hyper.hc_post(_attention(block.attn, x, ctx), streams, post, comb)
-    x, post, comb = hyper.hc_pre(streams, block.mix("ffn"))
-    return hyper.hc_post(_moe(block.ffn, x, input_ids, ctx, key), streams, post, comb)
+    x, post, comb = ctx.hc_pre(streams, block.mix("attn"))
+    streams = ctx.hc_post(_attention(block.attn, x, ctx), streams, post, comb)
+    x, post, comb = ctx.hc_pre(streams, block.mix("ffn"))
+    return ctx.hc_post(_moe(block.ffn, x, input_ids, ctx, key), streams, post, comb)
 
 
 def trunk_forward(model: DeepseekV4, ids: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,6 +46,7 @@ class TrainConfig:
     w_indexer: float = 1.0
     balance_gamma: float = 1e-3
     threads: int = 2
+    compile: bool = True  # mHC through torch.compile (forward.compiled_mhc; eager where it cannot compile)
     vocab_size: int = 4096
     save_every_minutes: float = 10.0
     eval_tokens: int = 32768  # after training: held-out figures through leanserve's inference path (0: skip)
@@ -162,7 +163,7 @@ def train(tc: TrainConfig, log=print, argv: list[str] | None = None, prepared=No
         log(f"parity: batched training forward vs leanserve's inference forward, max |dlog p| {diff:.2e}")
 
     optimizer = _optimizer(model, tc)
-    ctx = make_ctx(model, tc.batch_size, tc.seq_len)
+    ctx = make_ctx(model, tc.batch_size, tc.seq_len, compiled=tc.compile)
     budget = tc.minutes * 60 if tc.minutes is not None else None
     tokens_per_step = tc.batch_size * tc.seq_len
     log_path = out / "train_log.jsonl"
@@ -319,6 +320,9 @@ def train_main(argv: list[str] | None = None) -> int:
     p.add_argument("--w-mtp", type=float, default=d.w_mtp, help="weight of the MTP loss")
     p.add_argument("--w-indexer", type=float, default=d.w_indexer, help="weight of the indexer's KL loss")
     p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads")
+    p.add_argument(
+        "--no-compile", action="store_true", help="run mHC eagerly instead of through torch.compile (slower)"
+    )
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="BPE vocabulary (and model vocab) size")
     p.add_argument("--save-every-minutes", type=float, default=d.save_every_minutes)
     p.add_argument("--eval-tokens", type=int, default=d.eval_tokens, help="held-out tokens to evaluate at the end")
@@ -357,6 +361,7 @@ def train_main(argv: list[str] | None = None) -> int:
         w_mtp=args.w_mtp,
         w_indexer=args.w_indexer,
         threads=args.threads,
+        compile=not args.no_compile,
         vocab_size=args.vocab_size,
         save_every_minutes=args.save_every_minutes,
         eval_tokens=args.eval_tokens,
