@@ -399,7 +399,7 @@ if numba is not None:
         return lambda w, j, k: _f32_from_bits(np.int32(np.uint32(w[j, k]) << np.uint32(16)))
 
 
-def _linear_rows_f32(x, w, out, n):  # pragma: no cover - compiled
+def _linear_tiles(x, w, out, n):  # pragma: no cover - compiled
     # out[:n] = x[:n] @ w^T for x [>=n, K], w [J, K] (float32, or bfloat16 bits widened as read): four rows of x
     # per pass over w, two weight rows at a time (eight sums in registers, six loads per eight multiply-adds);
     # the last one to three rows in one more pass (speculative verification: two to four tokens a sequence).
@@ -479,7 +479,7 @@ def _linear_rows_f32(x, w, out, n):  # pragma: no cover - compiled
             out[t, j] = s
 
 
-_linear_rows_f32_jit = _jit(_linear_rows_f32)
+_linear_tiles_jit = _jit(_linear_tiles)
 
 
 ROW_BLOCK = 16  # weight rows per block (16 KB at 256 inputs): it stays in L1 while every row of x passes over it
@@ -500,13 +500,13 @@ if numba is not None:
             def blocked(x, w, out, n):
                 for j0 in range(0, w.shape[0], ROW_BLOCK):
                     j1 = min(w.shape[0], j0 + ROW_BLOCK)
-                    _linear_rows_f32_jit(x, w[j0:j1], out[:, j0:j1], n)
+                    _linear_tiles_jit(x, w[j0:j1], out[:, j0:j1], n)
 
             return blocked
 
         def widened(x, w, out, n):
             if n <= 4:  # (decode at batch 1, verification): each weight entry widened in registers, once
-                _linear_rows_f32_jit(x, w, out, n)
+                _linear_tiles_jit(x, w, out, n)
                 return
             k_dim = w.shape[1]
             buf = np.empty((ROW_BLOCK, k_dim), dtype=np.uint32)
@@ -515,7 +515,7 @@ if numba is not None:
                 for r in range(block):
                     for k in range(k_dim):
                         buf[r, k] = np.uint32(w[j0 + r, k]) << np.uint32(16)
-                _linear_rows_f32_jit(x, buf[:block].view(np.float32), out[:, j0 : j0 + block], n)
+                _linear_tiles_jit(x, buf[:block].view(np.float32), out[:, j0 : j0 + block], n)
 
         return widened
 
@@ -812,7 +812,7 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
         block = min(ROW_BLOCK, m - j0)
         for r in range(block):
             _fp8_row(q, s, r0 + j0 + r, buf, r)
-        _linear_rows_f32_jit(x, buf[:block], out[:, j0 : j0 + block], n)
+        _linear_tiles_jit(x, buf[:block], out[:, j0 : j0 + block], n)
 
 
 # FP4 at batch 1, on AVX-512: each row's dot product in vector registers (LLVM IR below: 16-byte groups of 32
@@ -943,7 +943,7 @@ def _fp4_rows(x, packed, s, out, n):  # pragma: no cover - compiled
         block = min(ROW_BLOCK, m - j0)
         for r in range(block):
             _fp4_row(packed, s, j0 + r, buf, r)
-        _linear_rows_f32_jit(x, buf[:block], out[:, j0 : j0 + block], n)
+        _linear_tiles_jit(x, buf[:block], out[:, j0 : j0 + block], n)
 
 
 _fp8_rows_jit = _jit(_fp8_rows)
@@ -1327,7 +1327,7 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
                 for h in range(heads):
                     _copy_row_jit(qh[i * heads + h], q[q_rows[b, i], h])
         scores = np.empty((block * heads, keys), dtype=np.float32)
-        _linear_rows_f32_jit(qh, kv, scores, block * heads)
+        _linear_tiles_jit(qh, kv, scores, block * heads)
         for i in range(block):
             if not q_valid[b, i]:
                 continue
@@ -1371,7 +1371,7 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
             for k in range(keys):
                 for d in range(dim):
                     kv_t[d, k] = kv[k, d]
-            _linear_rows_f32_jit(scores, kv_t, values, block * heads)
+            _linear_tiles_jit(scores, kv_t, values, block * heads)
         for i in range(block):
             if not q_valid[b, i]:
                 continue

@@ -102,11 +102,10 @@ class DeepseekV4(UsesBackend, nn.Module):
         return next(self.parameters()).device
 
     # --- forward --------------------------------------------------------------------------------------
-    def ropes(self, fb: ForwardBatch, lookup=None) -> dict:
+    def ropes(self, fb: ForwardBatch, get=Rotary.table) -> dict:
         """The step's RoPE factors per kind: the main and compress tables at the tokens' positions, and the
-        compress table at each compressed kind's new rows; `lookup(rotary, positions)` reads a table (default:
+        compress table at each compressed kind's new rows; `get(rotary, positions)` reads a table (default:
         Rotary.table, complex factors)."""
-        get = lookup if lookup is not None else (lambda rotary, positions: rotary.table(positions))
         ropes = {"main": get(self.rotary_main, fb.positions)}
         if self.rotary_compress is not None and fb.compress:  # (the MTP layer's batches have no compression)
             ropes["compress"] = get(self.rotary_compress, fb.positions)
