@@ -74,6 +74,19 @@ def test_linear_and_norms_match_torch(rows, weight_dtype):
         torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_few_row_linears_match_torch(rows, weight_dtype):
+    # Decode at batch 1-4 and speculative verification: up to four rows, bfloat16 weights widened in registers;
+    # 6 and 7 rows: a four-row tile, then two or three rows in one more pass.
+    gen = torch.Generator().manual_seed(100 + rows)
+    x = torch.randn(rows, 192, generator=gen)
+    weights = tuple(torch.randn(n, 192, generator=gen).to(weight_dtype) for n in (41, 64, 4))
+    fast, ref = _both("linears", x, weights)
+    for a, b in zip(fast, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_matches_torch(inverse):
     gen = torch.Generator().manual_seed(int(inverse))
