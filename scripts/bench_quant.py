@@ -24,7 +24,7 @@ from leanserve.model import cpu_kernels as ck
 from leanserve.model import decode
 from leanserve.model.cpu_backend import numpy_views
 from leanserve.model.moe import MoEWeights
-from leanserve.model.quant import Fp8Experts, quantize_fp4, quantize_fp8
+from leanserve.model.quant import Fp4Weight, Fp8Experts, quantize_fp4, quantize_fp8
 
 
 def nbytes(w) -> int:
@@ -74,7 +74,7 @@ def main() -> None:
 
     def fp4(stack):
         parts = [quantize_fp4(m) for m in stack]
-        return ck.Fp4Weight(np.stack([p.packed.numpy() for p in parts]), np.stack([p.scale.numpy() for p in parts]))
+        return Fp4Weight(np.stack([p.packed.numpy() for p in parts]), np.stack([p.scale.numpy() for p in parts]))
 
     def fp8_experts(stack, halves):
         qs, scales = [], []

@@ -5,7 +5,7 @@ backend; they hold no backend or device branches. A backend is an object with th
 
 - `TorchBackend` runs the torch statement of every op (torch_ops.py, hyper.py and the modules' `*_torch`
   methods): the reference, what autograd and any torch device run;
-- `CpuBackend` (cpu_backend.py) runs the numba kernels (cpu_kernels.py) where they apply, decode-sized steps as
+- `CpuBackend` (cpu_backend.py) runs the numba kernels (cpu_kernels/) where they apply, decode-sized steps as
   numpy arrays through them (decode.py), and falls back to the torch statement for the rest.
 
 `select_backend` is the one place that decides, from the device, the weight dtype and whether the kernels are

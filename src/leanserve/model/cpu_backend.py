@@ -1,4 +1,4 @@
-"""The CPU backend: the numba kernels (cpu_kernels.py) on float32 activations, with float32 or bfloat16 weights
+"""The CPU backend: the numba kernels (cpu_kernels/) on float32 activations, with float32 or bfloat16 weights
 widened as they are read; decode-sized steps run whole as numpy arrays (decode.py). Each op falls back to the
 torch statement (TorchBackend) for inputs the kernels do not take (autograd, other dtypes, sizes where torch's
 blocked matmuls win). The size thresholds live here and nowhere else.

@@ -1,0 +1,45 @@
+"""Small CPU kernels compiled with numba, for float32 math on small tensors where each torch op would cost
+more in dispatch than in arithmetic, and for elementwise chains that torch would run as many passes over
+memory. Each kernel's math has a torch statement too (the torch backend's, used for other dtypes and devices,
+and for autograd); tests/test_kernels.py compares the two.
+
+Kernels take numpy views of contiguous float32 CPU tensors and write into an output array; the CPU backend
+(cpu_backend.py) says when they apply, and decode.py calls them on numpy arrays. One module per job: `base`
+(compiler settings, builds, threads), `mix` (norms, mHC, RoPE), `linear` (few-row linears), `simd` (LLVM IR row
+dot products), `quantized` (FP8 / FP4 weights as stored), `moe`, `attention` (compressor, attention, indexer).
+"""
+
+from leanserve.model.cpu_kernels import attention, base, linear, mix, moe, quantized, simd
+from leanserve.model.cpu_kernels.attention import attend, compress, index_select
+from leanserve.model.cpu_kernels.base import (
+    EMPTY,
+    Threaded,
+    _exp_jit,
+    _jit,
+    available,
+    disabled,
+    limit_threads,
+    np_,
+    numba,
+    one_thread,
+    weight_np,
+)
+from leanserve.model.cpu_kernels.linear import grouped_linear
+from leanserve.model.cpu_kernels.mix import hc_post, hc_pre, norm_rope, rms_norm
+from leanserve.model.cpu_kernels.moe import moe_tokens
+from leanserve.model.cpu_kernels.quantized import (
+    Matmuls,
+    dequantized,
+    grouped_linear_fp8,
+    matmuls,
+    stored,
+)
+
+MODULES = (base, mix, linear, simd, quantized, moe, attention)
+
+__all__ = [
+    "EMPTY", "MODULES", "Matmuls", "Threaded", "_exp_jit", "_jit", "attend", "available", "compress", "dequantized",
+    "disabled", "grouped_linear", "grouped_linear_fp8", "hc_post", "hc_pre", "index_select", "limit_threads",
+    "matmuls", "moe_tokens", "norm_rope", "np_", "numba", "one_thread", "rms_norm",
+    "stored", "weight_np",
+]  # fmt: skip

@@ -1,0 +1,181 @@
+"""What every kernel module shares: numba's settings (fast-math flags, numpy's error model, the on-disk cache),
+`Threaded` (a kernel's one-thread and all-core builds), the thread cap (`limit_threads`, `one_thread`),
+`disabled()` (as if numba were missing), an e^x that vectorises, and numpy views of tensors."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import numpy as np
+import torch
+
+try:
+    import numba
+    import numba.extending
+except ImportError:  # the torch path is used instead
+    numba = None
+
+# Rows are copied element by element in the kernels' loops: numba's slice assignment (a[i] = b[j]) checks the
+# two for overlap at every call, which costs more than copying a row of 64 floats.
+# Reassociation lets reductions vectorise; no "no-NaN/no-inf" flags, since masks use -inf.
+_FLAGS = {"reassoc", "contract", "nsz", "arcp"}
+EMPTY = np.empty(0, dtype=np.float32)  # "no weight"
+
+
+_EXACT = {"contract"}  # (fused multiply-adds only: for kernels whose results must not depend on vectorisation)
+# Division by zero gives inf or nan, as in torch, instead of numba's default ZeroDivisionError check: that check
+# is a branch at every division, and a branch in a loop stops it from vectorising.
+_OPTIONS = {"nogil": True, "error_model": "numpy"}
+
+
+def _jit(fn, parallel: bool = False, fastmath=_FLAGS):
+    if numba is None:
+        return None
+    if parallel:  # numba's on-disk cache tells builds apart by function name, not by options: rename
+        fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_threaded", fn.__defaults__)
+        fn.__qualname__ = fn.__name__
+    return numba.njit(cache=True, parallel=parallel, fastmath=fastmath, **_OPTIONS)(fn)
+
+
+def _inlined(fn):
+    """A helper compiled into the kernels that call it."""
+    return numba.njit(inline="always", fastmath=_FLAGS, **_OPTIONS)(fn)
+
+
+prange = numba.prange if numba is not None else range
+
+
+# --- e^x that vectorises ----------------------------------------------------------------------------------
+# math.exp compiles to a libm call per element (~5 ns, and it stops a loop from vectorising). This one is
+# plain float32 arithmetic: x = n*ln2 + r with |r| <= ln2/2, e^r by a degree-7 polynomial, 2^n put in the
+# exponent bits; within 2 ulp of e^x over the clamped range [-87, 88] (e^-87 stands in for 0).
+if numba is not None:
+    from llvmlite import ir
+
+    @numba.extending.intrinsic
+    def _f32_from_bits(typingctx, bits):  # an int32's bits as a float32
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return numba.types.float32(numba.types.int32), codegen
+
+else:  # (nothing is compiled without numba)
+    _f32_from_bits = None
+
+
+def _exp(x):  # pragma: no cover - compiled
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    n = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)  # ln2 in two parts (Cody-Waite)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    return (p * r * r + r + np.float32(1.0)) * _f32_from_bits(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
+
+
+_exp_jit = _inlined(_exp) if numba is not None else None
+
+
+def _copy_row(dst, src):  # pragma: no cover - compiled: dst[:] = src for two 1-D rows, as a plain loop
+    for d in range(dst.shape[0]):
+        dst[d] = src[d]
+
+
+_copy_row_jit = _inlined(_copy_row) if numba is not None else None
+
+
+class Threaded:
+    """A kernel compiled twice: for one thread, and with its outer `prange` loop spread over all cores. A call
+    `kernel(work, *args)` takes the threaded build when `work` (the caller's measure of the call's size, e.g.
+    tokens or multiply-adds) reaches `min_work`: below that, waking the other cores costs more than it saves.
+    Each iteration of a threaded loop writes only its own outputs: no races and no sums shared between threads.
+    (The two builds are compiled separately and may vectorise a sum in a different order: float32 rounding.)"""
+
+    def __init__(self, fn, min_work: int) -> None:
+        self.one, self.min_work = _jit(fn), min_work
+        self.all = _jit(fn, parallel=True) if numba is not None else None
+
+    def __call__(self, work: int, *args):
+        if work >= self.min_work and _threads_ok():
+            return self.all(*args)
+        return self.one(*args)
+
+
+_threaded_ok: bool | None = None
+_max_threads: int | None = None  # a cap (pipeline stages sharing the machine's cores), None = torch's count
+
+
+def limit_threads(n: int | None) -> None:
+    """Caps the kernels' threads in this process (None: follow torch's thread count)."""
+    global _max_threads
+    _max_threads = n
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Runs every kernel's one-thread build (tests compare it with the threaded one)."""
+    global _max_threads
+    before, _max_threads = _max_threads, 1
+    try:
+        yield
+    finally:
+        _max_threads = before
+
+
+def _threads_ok() -> bool:
+    """Whether threaded builds run: torch may use more than one thread (`--threads`, torch.set_num_threads),
+    and numba has more than one and its OpenMP (or TBB) threading layer. Its fallback layer (workqueue) costs
+    more to wake than these kernels take, so it is not used."""
+    global _threaded_ok
+    if torch.get_num_threads() < 2 or (_max_threads is not None and _max_threads < 2):
+        return False
+    if _threaded_ok is None:
+        _threaded_ok = False
+        if numba.config.NUMBA_NUM_THREADS > 1:
+            _probe(np.zeros(2, dtype=np.float32))
+            _threaded_ok = numba.threading_layer() in ("omp", "tbb")
+    return _threaded_ok
+
+
+def _probe_fn(x):  # pragma: no cover - compiled
+    for i in prange(x.shape[0]):
+        x[i] += np.float32(1.0)
+
+
+_probe = _jit(_probe_fn, parallel=True)
+
+
+_enabled = numba is not None
+
+
+@contextlib.contextmanager
+def disabled():
+    """As if numba were missing: models built meanwhile get the torch backend, and step metadata the general
+    builder (the references the tests compare with)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def available() -> bool:
+    """Whether the kernels run at all (numba installed and not disabled)."""
+    return _enabled
+
+
+def weight_np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a tensor for the kernels; bfloat16 and float8 (which numpy lacks) as their raw bits."""
+    t = t.detach()
+    if t.dtype == torch.float8_e4m3fn:  # (FP8 weights: their bytes)
+        return t.view(torch.uint8).numpy()
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def np_(t: torch.Tensor | None) -> np.ndarray:
+    return EMPTY if t is None else t.detach().numpy()

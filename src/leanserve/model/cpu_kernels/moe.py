@@ -1,0 +1,148 @@
+"""The whole MoE of a decode-sized batch in one kernel: routing (scores, top-k or hash), each expert's tokens through
+its SwiGLU (its weights read once, as stored), the shared expert."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from leanserve.model.cpu_kernels.base import Threaded, _exp_jit, _jit, prange
+from leanserve.model.cpu_kernels.linear import _linear_rows_jit
+from leanserve.model.cpu_kernels.quantized import _expert_rows, _matrix_rows
+
+
+# --- MoE for a few tokens --------------------------------------------------------------------------------
+def _silu_glu(g, u, limit):  # pragma: no cover - compiled
+    g = min(g, limit)
+    u = min(max(u, -limit), limit)
+    return g / (np.float32(1.0) + _exp_jit(-g)) * u
+
+
+_silu_glu_jit = _jit(_silu_glu)
+
+
+def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3,
+                sw3_s, sw2, sw2_s, limit, out):  # fmt: skip
+    # (compiled) The whole MoE for a decode-sized batch: per token, router scores (0 = sqrt(softplus),
+    # 1 = sigmoid, 2 = softmax) and top-k by score + bias (or the hash table when tid2eid is not empty),
+    # weights normalised and times route_scale; then per expert, its tokens through its SwiGLU (each expert's
+    # weights read once), and the shared expert over all tokens.
+    # x, out [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; sw1/sw3 [I', H]; sw2 [H, I'], each with its scale (stored():
+    # EMPTY for plain weights; the experts FP4 or FP8, the shared expert FP8, see _expert_rows / _matrix_rows).
+    n, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    chosen = np.empty((n, top_k), dtype=np.int64)
+    weight = np.empty((n, top_k), dtype=np.float32)
+    scores = np.empty((n, num_experts), dtype=np.float32)  # the router's logits, then its scores
+    keyed = np.empty((n, num_experts) if tid2eid.shape[0] == 0 else (0, 0), dtype=np.float32)  # scores + bias
+    _linear_rows_jit(x, gate_w, scores, n)
+    for t in prange(n):  # (each token's routing is its own: threaded over tokens)
+        for e in range(num_experts):
+            z = scores[t, e]
+            if scoring == 0:
+                sp = z + np.float32(math.log1p(math.exp(-z))) if z > 0 else np.float32(math.log1p(math.exp(z)))
+                scores[t, e] = np.float32(math.sqrt(sp))
+            elif scoring == 1:
+                scores[t, e] = np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-z)))
+        if scoring == 2:
+            top = scores[t].max()
+            total = np.float32(0.0)
+            for e in range(num_experts):
+                scores[t, e] = np.float32(math.exp(scores[t, e] - top))
+                total += scores[t, e]
+            for e in range(num_experts):
+                scores[t, e] /= total
+        if tid2eid.shape[0] > 0:
+            for j in range(top_k):
+                chosen[t, j] = tid2eid[ids[t], j]
+        else:
+            for e in range(num_experts):
+                keyed[t, e] = scores[t, e] + bias[e]
+            for j in range(top_k):  # the largest remaining, lowest index first on ties
+                best = 0
+                for e in range(1, num_experts):
+                    if keyed[t, e] > keyed[t, best]:
+                        best = e
+                chosen[t, j] = best
+                keyed[t, best] = -np.inf
+        total = np.float32(0.0)
+        for j in range(top_k):
+            total += scores[t, chosen[t, j]]
+        for j in range(top_k):
+            weight[t, j] = scores[t, chosen[t, j]] / (total + np.float32(1e-20)) * np.float32(route_scale)
+    counts = np.zeros(num_experts + 1, dtype=np.int64)
+    for t in range(n):
+        for j in range(top_k):
+            counts[chosen[t, j] + 1] += 1
+    # Bucket the (token, k) pairs by expert.
+    for e in range(num_experts):
+        counts[e + 1] += counts[e]
+    fill = counts[:num_experts].copy()
+    token_of = np.empty(n * top_k, dtype=np.int64)
+    weight_of = np.empty(n * top_k, dtype=np.float32)
+    for t in range(n):
+        for j in range(top_k):
+            e = chosen[t, j]
+            token_of[fill[e]] = t
+            weight_of[fill[e]] = weight[t, j]
+            fill[e] += 1
+    # Tasks, spread over the cores: each expert that has tokens, and the shared expert in two halves of the
+    # tokens (more chunks would read its weights more often), each half ahead of half the experts: the threads
+    # take equal runs of tasks, and so get equal work when the experts' loads are even. Each task writes only
+    # its own rows: the routed experts' outputs go to ys (one row per (token, k) pair), the shared expert's
+    # straight to out.
+    shared = sw1.shape[0]
+    chunks = min(n, 2)
+    active = 0
+    for e in range(num_experts):
+        active += counts[e + 1] > counts[e]
+    tasks = np.empty(active + chunks, dtype=np.int64)
+    num_tasks, seen, half = 0, 0, 0
+    for e in range(num_experts):
+        if counts[e + 1] > counts[e]:
+            if half < chunks and seen >= half * active // chunks:
+                tasks[num_tasks] = num_experts + half
+                num_tasks += 1
+                half += 1
+            tasks[num_tasks] = e
+            num_tasks += 1
+            seen += 1
+    for c in range(half, chunks):
+        tasks[num_tasks] = num_experts + c
+        num_tasks += 1
+    pairs = n * top_k
+    rows = np.empty((pairs, hidden), dtype=np.float32)
+    both = np.empty((pairs, 2 * inter), dtype=np.float32)
+    act = np.empty((pairs, inter), dtype=np.float32)
+    ys = np.empty((pairs, hidden), dtype=np.float32)
+    for job in prange(num_tasks):
+        e = tasks[job]
+        if e >= num_experts:  # a chunk of tokens through the shared expert
+            c = e - num_experts
+            t0, t1 = c * n // chunks, (c + 1) * n // chunks
+            gates, ups = np.empty((t1 - t0, shared), dtype=np.float32), np.empty((t1 - t0, shared), dtype=np.float32)
+            _matrix_rows(x[t0:t1], sw1, sw1_s, gates, t1 - t0)
+            _matrix_rows(x[t0:t1], sw3, sw3_s, ups, t1 - t0)
+            for t in range(t1 - t0):
+                for i in range(shared):
+                    gates[t, i] = _silu_glu_jit(gates[t, i], ups[t, i], limit)
+            _matrix_rows(gates, sw2, sw2_s, out[t0:t1], t1 - t0)
+            continue
+        first, last = counts[e], counts[e + 1]
+        for r in range(first, last):
+            for k in range(hidden):
+                rows[r, k] = x[token_of[r], k]
+        _expert_rows(rows[first:last], w13, w13_s, e, both[first:last], last - first)
+        for r in range(first, last):
+            for i in range(inter):
+                act[r, i] = _silu_glu_jit(both[r, i], both[r, inter + i], limit) * weight_of[r]
+        _expert_rows(act[first:last], w2, w2_s, e, ys[first:last], last - first)
+    # Add the routed experts' outputs in expert order.
+    for r in range(pairs):
+        t = token_of[r]
+        for k in range(hidden):
+            out[t, k] += ys[r, k]
+
+
+moe_tokens = Threaded(_moe_tokens, min_work=2)

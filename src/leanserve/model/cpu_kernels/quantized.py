@@ -1,0 +1,322 @@
+"""FP8 (e4m3, UE8M0 scale per 128x128 block) and FP4 (e2m1, scale per 32 inputs) weights read as stored: the
+decoders, rows of x times a block of decoded rows, whole matrices dequantized (prefill), the linears and
+grouped linear on FP8 weights, the plain / FP8 / FP4 row readers the MoE calls, and `Matmuls` (one kernel call
+per weight format)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from leanserve.model.cpu_kernels.base import EMPTY, Threaded, _f32_from_bits, _inlined, _jit, numba, prange
+from leanserve.model.cpu_kernels.linear import (
+    LINEAR_CHUNK,
+    ROW_BLOCK,
+    _chunk_ends_jit,
+    _chunk_of_jit,
+    _linear_rows,
+    _linear_tiles_jit,
+    linear,
+)
+from leanserve.model.cpu_kernels.simd import _AVX512, _fp4_row_dot_avx512, _fp8_row_dot
+from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts, Fp8Weight
+
+# --- FP8 / FP4 weights, dequantized as they are read (see quant.py) -------------------------------------------
+# A block of ROW_BLOCK weight rows is decoded into a float32 buffer (values times their block's scale, the same
+# float32 products as quant.py's dequantization) and goes through the float32 loops: the same sums as on the
+# dequantized weight. For one row of x (decode at batch 1) the decoded values meet x in registers instead, each
+# scale block's sum then times its scale (exact: a power of two), a different float32 summation order. The
+# decoders are integer arithmetic (they vectorise): an e4m3 byte's bits shifted into a float32's, the rebase folded
+# into the block's scale (_e4m3_raw); FP4 codes by their exponent and mantissa bits, or a table lookup on AVX-512
+# (_fp4_row_dot_avx512).
+# The e4m3fn NaN bytes (0x7F, 0xFF) are not decoded as NaN (the quantizers never write them).
+
+
+def _ue8m0(e):  # pragma: no cover - compiled: a UE8M0 exponent byte -> 2^(e - 127)
+    e = np.int32(e)
+    return _f32_from_bits(e << np.int32(23)) if e > 0 else np.float32(2.0**-127)
+
+
+def _e4m3(b):  # pragma: no cover - compiled: an e4m3fn byte -> float32 (the general decoder, see _e4m3_raw)
+    b = np.int32(b)
+    mag = b & np.int32(0x7F)
+    normal = _f32_from_bits((mag << np.int32(20)) + np.int32(120 << 23))  # 2^(E-7) * (1 + m/8)
+    v = normal if mag >= np.int32(8) else np.float32(mag) * np.float32(2.0**-9)
+    return -v if b & np.int32(0x80) else v
+
+
+def _e4m3_raw(b):  # pragma: no cover - compiled: an e4m3fn byte's value times 2^-120, exactly
+    # Its bits (sign, E, m) shifted into a float32's sign, exponent and mantissa: 2^(E - 127) * (1 + m/8), or for
+    # E = 0 the float32 subnormal m * 2^-129, i.e. the e4m3 value times 2^-120 (integer ops only, no select). Its
+    # block scale 2^(e - 127) then comes times 2^120 (_raw_scale), which float32 holds for exponents e <= 134.
+    # (As a sign-extended int8 shifted by 20, the sign fills bits 27-31: masked to bit 31, with E and m kept.)
+    return _f32_from_bits((np.int32(np.int8(b)) << np.int32(20)) & np.int32(0x87F00000 - 2**32))
+
+
+RAW_SCALE_MAX = 134  # the largest UE8M0 exponent whose scale times 2^120 is a float32
+
+
+def _raw_scale(e):  # pragma: no cover - compiled: 2^(e - 127) * 2^120, for e <= RAW_SCALE_MAX
+    return _f32_from_bits((np.int32(e) + np.int32(120)) << np.int32(23))
+
+
+def _e2m1(c):  # pragma: no cover - compiled: an FP4 e2m1 code (0..15) -> float32
+    c = np.int32(c)
+    mag = c & np.int32(7)
+    normal = _f32_from_bits((mag << np.int32(22)) + np.int32(126 << 23))  # 2^(E-1) * (1 + m/2)
+    v = normal if mag >= np.int32(2) else np.float32(mag) * np.float32(0.5)
+    return -v if c & np.int32(8) else v
+
+
+if numba is not None:
+    _ue8m0 = _inlined(_ue8m0)
+    _e4m3 = _inlined(_e4m3)
+    _e4m3_raw = _inlined(_e4m3_raw)
+    _raw_scale = _inlined(_raw_scale)
+    _e2m1 = _inlined(_e2m1)
+
+
+def _fp8_row(q, s, row, buf, r):  # pragma: no cover - compiled: buf[r] = row `row` of the FP8 weight (q, s)
+    k_dim = q.shape[1]
+    full = k_dim // FP8_BLOCK
+    srow = row // FP8_BLOCK
+    for kb in range(full):  # (a fixed trip count: the loop vectorises)
+        e = s[srow, kb]
+        base = kb * FP8_BLOCK
+        if e <= RAW_SCALE_MAX:  # (the same float32 products: both factors are the exact ones times 2^+-120)
+            sc = _raw_scale(e)
+            for i in range(FP8_BLOCK):
+                buf[r, base + i] = _e4m3_raw(q[row, base + i]) * sc
+        else:
+            sc = _ue8m0(e)
+            for i in range(FP8_BLOCK):
+                buf[r, base + i] = _e4m3(q[row, base + i]) * sc
+    if full * FP8_BLOCK < k_dim:
+        sc = _ue8m0(s[srow, full])
+        for k in range(full * FP8_BLOCK, k_dim):
+            buf[r, k] = _e4m3(q[row, k]) * sc
+
+
+def _fp4_row(packed, s, row, buf, r):  # pragma: no cover - compiled: buf[r] = row `row` of the FP4 weight
+    step = FP4_GROUP // 2
+    for g in range(s.shape[1]):
+        sc = _ue8m0(s[row, g])
+        base = g * step
+        for i in range(step):
+            byte = np.int32(packed[row, base + i])
+            buf[r, 2 * (base + i)] = _e2m1(byte & np.int32(15)) * sc
+            buf[r, 2 * (base + i) + 1] = _e2m1(byte >> np.int32(4)) * sc
+
+
+if numba is not None:
+    _fp8_row = _inlined(_fp8_row)
+    _fp4_row = _inlined(_fp4_row)
+
+
+def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
+    # out[:n, :m] = x[:n] @ W[r0 : r0 + m]^T, m = out.shape[1], for the FP8 weight W: q [J, K] (e4m3 bytes),
+    # s [ceil(J / 128), ceil(K / 128)] UE8M0 exponents
+    m, k_dim = out.shape[1], q.shape[1]
+    full = k_dim // FP8_BLOCK
+    if n == 1:  # one row (decode at batch 1): each block's sum of products in registers, then times its scale
+        vector = q.strides[1] == 1 and x.strides[1] == 4  # (_fp8_row_dot's contiguous loads)
+        for j in range(m):
+            row = r0 + j
+            srow = row // FP8_BLOCK
+            total = np.float32(0.0)
+            if vector:
+                total = _fp8_row_dot(q, s, row, srow, x, full)
+            for kb in range(0 if not vector else full, full):
+                base = kb * FP8_BLOCK
+                e = s[srow, kb]
+                acc = np.float32(0.0)
+                if e <= RAW_SCALE_MAX:
+                    for i in range(FP8_BLOCK):
+                        acc += _e4m3_raw(q[row, base + i]) * x[0, base + i]
+                    total += acc * _raw_scale(e)
+                else:
+                    for i in range(FP8_BLOCK):
+                        acc += _e4m3(q[row, base + i]) * x[0, base + i]
+                    total += acc * _ue8m0(e)
+            if full * FP8_BLOCK < k_dim:
+                acc = np.float32(0.0)
+                for k in range(full * FP8_BLOCK, k_dim):
+                    acc += _e4m3(q[row, k]) * x[0, k]
+                total += acc * _ue8m0(s[srow, full])
+            out[0, j] = total
+        return
+    buf = np.empty((ROW_BLOCK, k_dim), dtype=np.float32)
+    for j0 in range(0, m, ROW_BLOCK):
+        block = min(ROW_BLOCK, m - j0)
+        for r in range(block):
+            _fp8_row(q, s, r0 + j0 + r, buf, r)
+        _linear_tiles_jit(x, buf[:block], out[:, j0 : j0 + block], n)
+
+
+def _fp4_rows(x, packed, s, out, n):  # pragma: no cover - compiled
+    # out[:n, :m] = x[:n] @ W[:m]^T for the FP4 weight W: packed [J, K / 2] (element 2i in the low nibble of byte
+    # i), s [J, K / 32] UE8M0 exponents
+    m, half = out.shape[1], packed.shape[1]
+    step = FP4_GROUP // 2
+    if n == 1:  # one row: x's even and odd elements apart, then per row its groups' sums times their scales
+        xe = np.empty(half, dtype=np.float32)
+        xo = np.empty(half, dtype=np.float32)
+        for j in range(half):
+            xe[j] = x[0, 2 * j]
+            xo[j] = x[0, 2 * j + 1]
+        if _AVX512:
+            for row in range(m):
+                out[0, row] = _fp4_row_dot_avx512(packed, s, row, xe, xo)
+            return
+        for row in range(m):
+            total = np.float32(0.0)
+            for g in range(half // step):
+                base = g * step
+                acc = np.float32(0.0)
+                for i in range(step):
+                    byte = np.int32(packed[row, base + i])
+                    acc += _e2m1(byte & np.int32(15)) * xe[base + i] + _e2m1(byte >> np.int32(4)) * xo[base + i]
+                total += acc * _ue8m0(s[row, g])
+            out[0, row] = total
+        return
+    buf = np.empty((ROW_BLOCK, 2 * half), dtype=np.float32)
+    for j0 in range(0, m, ROW_BLOCK):
+        block = min(ROW_BLOCK, m - j0)
+        for r in range(block):
+            _fp4_row(packed, s, j0 + r, buf, r)
+        _linear_tiles_jit(x, buf[:block], out[:, j0 : j0 + block], n)
+
+
+_fp8_rows_jit = _jit(_fp8_rows)
+_fp4_rows_jit = _jit(_fp4_rows)
+
+
+def _fp8_dense(q, s, out):  # pragma: no cover - compiled: out [J, K] float32 = the FP8 weight (q, s) dequantized
+    for row in prange(q.shape[0]):
+        _fp8_row(q, s, row, out, row)
+
+
+def _fp4_dense(packed, s, out):  # pragma: no cover - compiled: out [J, K] float32 = the FP4 weight dequantized
+    for row in prange(packed.shape[0]):
+        _fp4_row(packed, s, row, out, row)
+
+
+# work = weight elements
+fp8_dense = Threaded(_fp8_dense, min_work=1 << 18)
+fp4_dense = Threaded(_fp4_dense, min_work=1 << 18)
+
+
+def dequantized(w, out: np.ndarray | None = None) -> np.ndarray:
+    """One FP8 or FP4 matrix (an Fp8Weight / Fp4Weight of numpy views) dequantized into float32 `out` (new when
+    None): the values of quant.py's dequantize, for torch matmuls over many rows (prefill)."""
+    values, scale = stored(w)
+    rows = values.shape[0]
+    if isinstance(w, Fp8Weight):
+        out = np.empty((rows, values.shape[1]), dtype=np.float32) if out is None else out
+        fp8_dense(out.size, values, scale, out)
+    else:
+        out = np.empty((rows, 2 * values.shape[1]), dtype=np.float32) if out is None else out
+        fp4_dense(out.size, values, scale, out)
+    return out
+
+
+def _matrix_rows(x, w, s, out, n):  # pragma: no cover - compiled through the overload below
+    """out[:n] = x[:n] @ W^T for a plain weight w (float32 or bfloat16 bits; s empty, 1-d) or an FP8 one (w its
+    bytes, s its 2-d scale grid)."""
+
+
+def _expert_rows(x, w, s, e, out, n):  # pragma: no cover - compiled through the overload below
+    """out[:n] = x[:n] @ W_e^T for expert e of stacked experts: plain (s empty, 1-d), FP4 (s [E, out, in / 32]) or
+    FP8 (s [E, halves, ...]: each half of the rows with its own scale grid)."""
+
+
+if numba is not None:
+
+    @numba.extending.overload(_matrix_rows)
+    def _matrix_rows_typed(x, w, s, out, n):
+        if s.ndim == 1:
+            return lambda x, w, s, out, n: _linear_rows(x, w, out, n)
+        return lambda x, w, s, out, n: _fp8_rows_jit(x, w, s, 0, out, n)
+
+    @numba.extending.overload(_expert_rows)
+    def _expert_rows_typed(x, w, s, e, out, n):
+        if s.ndim == 1:
+            return lambda x, w, s, e, out, n: _linear_rows(x, w[e], out, n)
+        if s.ndim == 3:
+            return lambda x, w, s, e, out, n: _fp4_rows_jit(x, w[e], s[e], out, n)
+
+        def fp8_halves(x, w, s, e, out, n):
+            halves = s.shape[1]
+            m = w.shape[1] // halves
+            for h in range(halves):
+                _fp8_rows_jit(x, w[e, h * m : (h + 1) * m], s[e, h], 0, out[:, h * m : (h + 1) * m], n)
+
+        return fp8_halves
+
+
+def _linear_fp8(x, qs, ss, outs):  # pragma: no cover - compiled
+    # outs[i] = x @ W_i^T for a tuple of FP8 weights (bytes qs[i], scales ss[i]), in chunks of LINEAR_CHUNK rows
+    ends = _chunk_ends_jit(qs)
+    for task in prange(ends[len(qs)]):
+        i, j0 = _chunk_of_jit(ends, task)
+        q, out = qs[i], outs[i]
+        j1 = min(q.shape[0], j0 + LINEAR_CHUNK)
+        _fp8_rows_jit(x, q, ss[i], j0, out[:, j0:j1], x.shape[0])
+
+
+linear_fp8 = Threaded(_linear_fp8, min_work=1 << 18)
+
+
+def _grouped_linear_fp8(x, q, s, out):  # pragma: no cover - compiled
+    # out [T, G, J] = per group g: x[:, g] [T, K] @ W[g * J : (g + 1) * J]^T for the FP8 weight W [G * J, K]
+    n, groups, rows = x.shape[0], x.shape[1], out.shape[2]
+    for g in prange(groups):
+        part = np.empty((n, x.shape[2]), dtype=np.float32)
+        res = np.empty((n, rows), dtype=np.float32)
+        part[:] = x[:, g]
+        _fp8_rows_jit(part, q, s, g * rows, res, n)
+        out[:, g] = res
+
+
+grouped_linear_fp8 = Threaded(_grouped_linear_fp8, min_work=1 << 18)
+
+
+def stored(w) -> tuple[np.ndarray, np.ndarray]:
+    """A weight's numpy view (plain, or an Fp8Weight / Fp4Weight / Fp8Experts of numpy views) as the kernels take
+    it: (values, scale), the scale EMPTY for a plain weight."""
+    if isinstance(w, Fp8Weight | Fp8Experts):
+        return w.q, w.scale
+    if isinstance(w, Fp4Weight):
+        return w.packed, w.scale
+    return w, EMPTY
+
+
+class Matmuls:
+    """x [T, in] @ w^T for each of `weights` ([out, in] float32, bfloat16 bits, or an Fp8Weight of numpy views),
+    one kernel call per format, the calls worked out once (a decode plan keeps one per linear it runs):
+    `matmuls(x)` -> new float32 arrays [T, out], one per weight."""
+
+    def __init__(self, weights: tuple) -> None:
+        self.widths = tuple([w.shape[0] for w in weights])
+        groups: dict = {}
+        for i, w in enumerate(weights):
+            groups.setdefault("fp8" if isinstance(w, Fp8Weight) else w.dtype, []).append(i)
+        self.calls = []  # (kernel, multiply-adds per row, its weight arguments, the outputs it writes)
+        for kind, idx in groups.items():
+            ws = [weights[i] for i in idx]
+            work = sum([w.shape[0] * w.shape[1] for w in ws])
+            if kind == "fp8":
+                self.calls.append((linear_fp8, work, (tuple([w.q for w in ws]), tuple([w.scale for w in ws])), idx))
+            else:
+                self.calls.append((linear, work, (tuple(ws),), idx))
+
+    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, ...]:
+        n = x.shape[0]
+        outs = tuple([np.empty((n, w), dtype=np.float32) for w in self.widths])
+        for kernel, work, args, idx in self.calls:
+            kernel(n * work, x, *args, tuple([outs[i] for i in idx]) if len(idx) < len(outs) else outs)
+        return outs
+
+
+def matmuls(x: np.ndarray, weights: tuple) -> tuple[np.ndarray, ...]:
+    """Matmuls(weights)(x), for a call made once."""
+    return Matmuls(weights)(x)
