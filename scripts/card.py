@@ -439,6 +439,7 @@ def _evaluation(figures: dict[str, Any] | None, source: str, model_arg: str, sum
     cmd += ["--max-tokens", str(figures["tokens"]), "--seq-len", str(figures["seq_len"]), "--dtype", figures["dtype"]]
     cmd += ["--batch-size", str(figures.get("batch_size", 4))]
     cmd += ["--threads", str(figures.get("threads", tc.get("threads", 2)))]
+    cmd += ["--greedy-prompts", str(figures.get("greedy_prompts", 0))]
     mismatch = ""
     if source != "train_summary.json" and Path(figures.get("model", model_arg)).resolve() != Path(model_arg).resolve():
         mismatch = f"\n\n**Note:** {source} says these figures are of `{figures['model']}`, not of `{model_arg}`."
@@ -449,12 +450,25 @@ def _evaluation(figures: dict[str, Any] | None, source: str, model_arg: str, sum
         ("trunk loss (nats/token)", f"{figures['trunk_loss']:.4f}"),
         ("MTP loss (nats/token)", f"{figures['mtp_loss']:.4f}"),
     ]
+    greedy = ""
+    if "mtp_greedy_acceptance" in figures:
+        rows.append(
+            ("MTP k=1 draft acceptance when the engine decodes greedily", _pct(figures["mtp_greedy_acceptance"]))
+        )
+        greedy = (
+            f" The acceptance in greedy decoding is the same comparison on the text the trunk writes itself: the "
+            f"engine continues {figures['greedy_prompts']} held-out prompts of {figures['greedy_prompt_tokens']} "
+            f"tokens by {figures['greedy_max_tokens']} greedy tokens each with one-token MTP drafts "
+            f"({figures['mtp_greedy_drafts']:,} drafts), so a draft follows the trunk's own greedy token."
+        )
     return (
         f"On {figures['tokens']:,} tokens of the {_plural(figures['heldout_files'], 'held-out file')} (windows of "
         f"{figures['seq_len']} tokens, {figures['dtype']}), run through leanserve's own loader, inference forward "
         f"and MTP forward (source: {source}):\n\n{_table(('metric', 'value'), rows)}\n\n"
         "The MTP agreement is the greedy acceptance rate of the MTP layer as a one-token speculative draft: its "
-        "argmax at t against the trunk's argmax at t+1 (the trunk fed the real token t+1).\n\nReproduce:\n\n"
+        "argmax at t against the trunk's argmax at t+1 (the trunk fed the real token t+1)."
+        + greedy
+        + "\n\nReproduce:\n\n"
         + fence(shlex.join(cmd), "sh")
         + mismatch
     )

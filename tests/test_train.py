@@ -323,7 +323,10 @@ def test_model_card_reports_the_run_and_the_eval_figures(trained, corpus_dir, tm
     shutil.copytree(trained, model)
     figures_path = tmp_path / "eval.json"
     args = ["--model", str(model), "--corpus", str(corpus_dir), "--seq-len", "32", "--threads", "1"]
-    assert eval_main([*args, "--json-out", str(figures_path)]) == 0
+    with pytest.raises(SystemExit):
+        eval_main([*args, "--greedy-prompts", "-1"])
+    assert "--greedy-prompts must be 0 or more, got -1" in capsys.readouterr().err
+    assert eval_main([*args, "--greedy-prompts", "2", "--json-out", str(figures_path)]) == 0
     printed = capsys.readouterr().out
     figures = json.loads(figures_path.read_text())
     stdout_copy = tmp_path / "eval_stdout.txt"
@@ -335,9 +338,11 @@ def test_model_card_reports_the_run_and_the_eval_figures(trained, corpus_dir, tm
     assert png.startswith(b"\x89PNG") and len(png) > 1000
     readme = (model / "README.md").read_text()
     summary = json.loads((model / "train_summary.json").read_text())
-    for key in ("trunk_top1", "mtp_agreement", "mtp_top1"):
+    for key in ("trunk_top1", "mtp_agreement", "mtp_top1", "mtp_greedy_acceptance"):
         assert f"{100 * figures[key]:.2f}%" in readme
+    assert figures["greedy_prompts"] == 2 and figures["mtp_greedy_drafts"] > 0
     assert "scripts/eval_small.py --model" in readme and f"--max-tokens {figures['tokens']}" in readme
+    assert "--greedy-prompts 2" in readme
     assert f"{summary['parameters']:,}" in readme and f"{summary['train_stream_tokens']:,}" in readme
     assert "![" in readme and "(loss_curve.png)" in readme
     assert "def fibonacci(n):" in readme and "leanserve generate --model" in readme

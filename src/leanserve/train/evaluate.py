@@ -1,6 +1,7 @@
 """Held-out figures of a trained model through leanserve's own inference path (strict loader, inference forward
 and MTP forward): trunk next-token top-1, the MTP layer's agreement with the trunk's greedy next-next token,
-its top-1 against the real token t+2, and both cross-entropies. `eval_main` is scripts/eval_small.py."""
+its top-1 against the real token t+2, and both cross-entropies; and the acceptance of one-token MTP drafts
+when the engine decodes held-out prompts greedily. `eval_main` is scripts/eval_small.py."""
 
 from __future__ import annotations
 
@@ -103,6 +104,33 @@ def evaluate(
     }
 
 
+def greedy_acceptance(
+    model_dir: str | Path, prompts: int = 48, prompt_tokens: int = 48, max_tokens: int = 64, dtype: str = "auto"
+) -> dict[str, Any]:
+    """The engine decodes `prompts` held-out code prompts (bench spec's) greedily with one-token MTP drafts: the
+    share of drafts the trunk accepts, i.e. how often the MTP layer's draft is the trunk's greedy next-next token
+    on the text the trunk itself writes (where a draft's first token is the trunk's greedy token, not the
+    held-out text's)."""
+    from leanserve import LLM, SamplingParams
+    from leanserve.bench.common import code_prompts
+
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    with LLM(str(model_dir), dtype=dtype, max_num_seqs=prompts, load_progress=False, speculative_config=spec) as llm:
+        if llm.get_tokenizer() is None:
+            raise ValueError(f"{model_dir} has no tokenizer.json to encode the held-out prompts with.")
+        ids = code_prompts(llm.get_tokenizer(), prompts, prompt_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in ids], params)
+        m = llm.spec_decode_metrics()
+    return {
+        "greedy_prompts": prompts,
+        "greedy_prompt_tokens": prompt_tokens,
+        "greedy_max_tokens": max_tokens,
+        "mtp_greedy_drafts": m["num_draft_tokens"],
+        "mtp_greedy_acceptance": m["num_accepted_tokens"] / m["num_draft_tokens"],
+    }
+
+
 def format_eval(r: dict[str, Any]) -> str:
     rows = [
         ("trunk next-token top-1", f"{r['trunk_top1']:.2%}"),
@@ -111,8 +139,15 @@ def format_eval(r: dict[str, Any]) -> str:
         ("trunk loss (nats/token)", f"{r['trunk_loss']:.3f}"),
         ("MTP loss (nats/token)", f"{r['mtp_loss']:.3f}"),
     ]
+    if "mtp_greedy_acceptance" in r:
+        rows.append(("MTP k=1 acceptance, greedy decoding", f"{r['mtp_greedy_acceptance']:.2%}"))
     width = max(len(k) for k, _ in rows)
     head = f"held-out: {r['tokens']} tokens from {r['heldout_files']} files, {r['dtype']}, windows of {r['seq_len']}"
+    if "mtp_greedy_acceptance" in r:
+        head += (
+            f"; greedy decoding: {r['greedy_prompts']} prompts of {r['greedy_prompt_tokens']} tokens,"
+            f" {r['greedy_max_tokens']} new tokens each"
+        )
     return "\n".join([head] + [f"  {k:<{width}}  {v:>8}" for k, v in rows])
 
 
@@ -130,12 +165,23 @@ def eval_main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
+        "--greedy-prompts",
+        type=int,
+        default=48,
+        help="held-out standard-library prompts (bench spec's) the engine decodes greedily with one-token MTP"
+        " drafts (0: skip that figure)",
+    )
+    p.add_argument(
         "--json-out", "--json", dest="json_out", default=None, help="also write the figures (JSON) to this file"
     )
     args = p.parse_args(argv)
+    if args.greedy_prompts < 0:
+        p.error(f"--greedy-prompts must be 0 or more, got {args.greedy_prompts}")
     torch.set_num_threads(args.threads)
     try:
         result = evaluate(args.model, args.corpus, args.max_tokens, args.seq_len, args.batch_size, args.dtype)
+        if args.greedy_prompts > 0:
+            result.update(greedy_acceptance(args.model, args.greedy_prompts, dtype=args.dtype))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
