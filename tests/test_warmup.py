@@ -19,18 +19,17 @@ def _dispatchers() -> dict[str, object]:
     """Every numba dispatcher the model's steps call: the kernels (both builds of each Threaded one) and the
     step metadata kernels of model/batch.py."""
     found: dict[str, object] = {}
-
-    def add(name, obj):  # (a dispatcher imported into several kernel modules is one dispatcher)
-        if found.setdefault(name, obj) is not obj:
-            found[f"{module.__name__}.{name}"] = obj
-
     for module in cpu_kernels.MODULES:
         for name, obj in vars(module).items():
             if isinstance(obj, numba.core.dispatcher.Dispatcher):
-                add(name, obj)
+                builds = {name: obj}
             elif isinstance(obj, cpu_kernels.Threaded):
-                add(f"{name}.one", obj.one)
-                add(f"{name}.all", obj.all)
+                builds = {f"{name}.one": obj.one, f"{name}.all": obj.all}
+            else:
+                continue
+            for key, build in builds.items():  # (one imported into several kernel modules is one dispatcher)
+                if found.setdefault(key, build) is not build:
+                    found[f"{module.__name__}.{key}"] = build
     for fn in batch._short_kernels or ():
         found[f"batch.{fn.py_func.__name__}"] = fn
     return found

@@ -115,7 +115,10 @@ def greedy_acceptance(
     from leanserve.bench.common import code_prompts
 
     spec = {"method": "mtp", "num_speculative_tokens": 1}
-    with LLM(str(model_dir), dtype=dtype, max_num_seqs=prompts, load_progress=False, speculative_config=spec) as llm:
+    with LLM(
+        str(model_dir), dtype=dtype, max_model_len=prompt_tokens + max_tokens + 1, max_num_seqs=prompts,
+        load_progress=False, speculative_config=spec,
+    ) as llm:  # fmt: skip
         if llm.get_tokenizer() is None:
             raise ValueError(f"{model_dir} has no tokenizer.json to encode the held-out prompts with.")
         ids = code_prompts(llm.get_tokenizer(), prompts, prompt_tokens)
