@@ -4,6 +4,7 @@ directory leanserve loads and generates from, and a run is a pure function of it
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -185,6 +186,27 @@ def test_corpus_split_and_tokenizer(corpus_dir):
     text = corpus.train[0].text
     assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text  # byte-level: lossless
     assert tok.encode("x").ids[0] == data.BOS_ID  # prompts get <bos>, like the training documents
+
+
+def test_a_corpus_of_several_directories(corpus_dir, tmp_path, capsys):
+    # The first directory's files keep their paths (so its held-out split is the one it has alone), a further
+    # directory's are prefixed with its name; a missing one or two of one name are refused before training.
+    extra = write_corpus(tmp_path / "pkg", n_files=3)
+    spec = os.pathsep.join([str(corpus_dir), str(extra)])
+    alone, both = data.load_corpus(corpus_dir), data.load_corpus(spec)
+    paths = {d.relpath for d in both.train + both.heldout}
+    assert {d.relpath for d in alone.train + alone.heldout} <= paths
+    own = data.load_corpus(extra)
+    assert {p for p in paths if p.startswith("pkg/")} == {f"pkg/{d.relpath}" for d in own.train + own.heldout}
+    assert {d.relpath for d in both.heldout} == {p for p in paths if data.is_heldout(p)}
+    assert str(extra) in both.summary()
+    missing = os.pathsep.join([str(corpus_dir), str(tmp_path / "nowhere")])
+    rc, err = run_cli(["--out", str(tmp_path / "out"), "--corpus", missing, "--steps", "3"], capsys)
+    assert rc == 2 and "nowhere" in err and "does not exist" in err
+    twice = os.pathsep.join([str(corpus_dir), str(extra), str(extra)])
+    rc, err = run_cli(["--out", str(tmp_path / "out"), "--corpus", twice, "--steps", "3"], capsys)
+    assert rc == 2 and "distinct names" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_training_forward_matches_inference_forward():

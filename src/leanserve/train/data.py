@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 HELDOUT_PER_MILLE = 30  # ~3% of the files, chosen by a hash of their relative path
 # Directories never read: the stdlib's own test suites and anything installed on top of the stdlib.
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"})
+
+
+CORPUS_HELP = "directory of .py files, or several joined by ':' (default: this Python's standard library)"
 
 
 class CorpusError(ValueError):
@@ -86,22 +90,43 @@ def find_py_files(root: str | Path) -> list[tuple[str, Path]]:
     return sorted(found)
 
 
+def corpus_roots(spec: str | Path | None) -> list[Path]:
+    """The directories of a corpus: `spec` is one directory, or several joined by os.pathsep (the first one's
+    files keep their paths relative to it, each further one's are prefixed with its directory name); None is
+    the running interpreter's standard library."""
+    if spec is None:
+        return [default_corpus_dir()]
+    parts = [p for p in str(spec).split(os.pathsep) if p] if isinstance(spec, str) else [spec]
+    if not parts:
+        raise CorpusError("The corpus names no directory.")
+    roots = [Path(p) for p in parts]
+    names = [r.name for r in roots[1:]]
+    if len(set(names)) != len(names):
+        raise CorpusError(f"The corpus directories after the first must have distinct names, got {names}.")
+    return roots
+
+
 def load_corpus(root: str | Path | None = None) -> Corpus:
-    root = Path(root) if root is not None else default_corpus_dir()
+    """The `.py` files of the corpus `root` (see corpus_roots), split into train and held-out by their paths."""
+    roots = corpus_roots(root)
     train, heldout, skipped = [], [], 0
-    for rel, path in find_py_files(root):
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except (UnicodeDecodeError, OSError):
-            skipped += 1
-            continue
-        if not text.strip():
-            continue
-        (heldout if is_heldout(rel) else train).append(Document(rel, text))
+    for i, base in enumerate(roots):
+        prefix = "" if i == 0 else f"{base.name}/"
+        for rel, path in find_py_files(base):
+            try:
+                text = path.read_bytes().decode("utf-8")
+            except (UnicodeDecodeError, OSError):
+                skipped += 1
+                continue
+            if not text.strip():
+                continue
+            rel = prefix + rel
+            (heldout if is_heldout(rel) else train).append(Document(rel, text))
+    shown = os.pathsep.join(str(r) for r in roots)
     if not train:
         what = "all of them are empty, unreadable or held out" if heldout or skipped else "all of them are empty"
-        raise CorpusError(f"Corpus directory {root} has no usable training files ({what}).")
-    return Corpus(root, tuple(train), tuple(heldout), skipped)
+        raise CorpusError(f"Corpus directory {shown} has no usable training files ({what}).")
+    return Corpus(roots[0] if len(roots) == 1 else Path(shown), tuple(train), tuple(heldout), skipped)
 
 
 # --- tokenizer -----------------------------------------------------------------------------------------

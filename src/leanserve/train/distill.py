@@ -223,7 +223,7 @@ def distill_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", required=True, help="trained model directory (with mtp.0.* weights)")
     p.add_argument("--out", required=True, help="output model directory (may be --model itself)")
-    p.add_argument("--corpus", default=None, help="directory of .py files (default: this Python's standard library)")
+    p.add_argument("--corpus", default=None, help=data_mod.CORPUS_HELP)
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)

@@ -306,7 +306,7 @@ def train_main(argv: list[str] | None = None) -> int:
         description="Train leanserve's small DeepSeek-V4-architecture model and its MTP layer on Python source."
     )
     p.add_argument("--out", required=True, help="output model directory")
-    p.add_argument("--corpus", default=None, help="directory of .py files (default: this Python's standard library)")
+    p.add_argument("--corpus", default=None, help=data_mod.CORPUS_HELP)
     p.add_argument("--seed", type=int, default=d.seed)
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, default=None, help="train exactly this many steps (deterministic)")
