@@ -26,7 +26,7 @@ HELDOUT_PER_MILLE = 30  # ~3% of the files, chosen by a hash of their relative p
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"})
 
 
-CORPUS_HELP = "directory of .py files, or several joined by ':' (default: this Python's standard library)"
+CORPUS_HELP = f"directory of .py files, or several joined by {os.pathsep!r} (default: this Python's standard library)"
 
 
 class CorpusError(ValueError):
