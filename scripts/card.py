@@ -21,6 +21,7 @@ import torch
 from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from leanserve.model.deepseek_v4 import DeepseekV4
 from leanserve.train import data as data_mod
+from leanserve.train.evaluate import REPEAT_SPAN, most_repeated_span
 from leanserve.train.trainer import TrainConfig
 
 DEFAULT_PROMPT = "def fibonacci(n):\n"
@@ -189,7 +190,6 @@ EVERYDAY_PROMPTS = (
     "for i in range(10):",
 )
 EVERYDAY_MAX_TOKENS = 64
-REPEAT_SPAN = 8  # a completion repeats itself when some span of this many tokens occurs three times
 
 
 def complete(model_dir: str, requests: list[tuple[str, int]]) -> list[dict[str, Any]]:
@@ -211,15 +211,6 @@ def complete(model_dir: str, requests: list[tuple[str, int]]) -> list[dict[str, 
         }
         for (prompt, max_tokens), out in zip(requests, outs, strict=True)
     ]
-
-
-def most_repeated_span(token_ids: list[int], span: int = REPEAT_SPAN) -> int:
-    """How often the most frequent run of `span` consecutive tokens occurs (0 if there are fewer tokens)."""
-    counts: dict[tuple[int, ...], int] = {}
-    for i in range(len(token_ids) - span + 1):
-        key = tuple(token_ids[i : i + span])
-        counts[key] = counts.get(key, 0) + 1
-    return max(counts.values(), default=0)
 
 
 # --- the card --------------------------------------------------------------------------------------------------
@@ -403,25 +394,86 @@ def _distillation(record: dict[str, Any]) -> str:
     text = (
         "After training, the MTP layer was fitted to the trunk's own next-token distribution one position on, "
         "which is what greedy verification accepts; the trunk was frozen and its tensors are byte-identical to "
-        f"the trained ones (plain decoding is unchanged). Command:\n\n{fence(cmd, 'sh')}\n\n"
+        f"those before this step (plain decoding is unchanged). Command:\n\n{fence(cmd, 'sh')}\n\n"
         + _table(("setting", "value"), rows)
     )
+    figures = [
+        ("MTP agreement with the trunk's greedy next-next token", "mtp_agreement", _pct),
+        ("MTP top-1 accuracy vs the real token t+2", "mtp_top1", _pct),
+        ("MTP loss (nats/token)", "mtp_loss", lambda x: f"{x:.4f}"),
+        ("trunk next-token top-1 accuracy", "trunk_top1", _pct),
+    ]
+    return text + _before_after(record, figures)
+
+
+def _before_after(record: dict[str, Any], figures: list[tuple[str, str, Any]]) -> str:
+    """A run's held-out figures before and after it (name, key, format), as measured by the run; those it did not
+    measure are left out."""
     before, after = record.get("heldout_before"), record.get("heldout_after")
-    if before and after:
-        figures = [
-            ("MTP agreement with the trunk's greedy next-next token", "mtp_agreement", _pct),
-            ("MTP top-1 accuracy vs the real token t+2", "mtp_top1", _pct),
-            ("MTP loss (nats/token)", "mtp_loss", lambda x: f"{x:.4f}"),
-            ("trunk next-token top-1 accuracy", "trunk_top1", _pct),
-        ]
-        table = _table(
-            ("held-out metric", "before", "after"), [(name, f(before[k]), f(after[k])) for name, k, f in figures]
+    if not (before and after):
+        return ""
+    rows = [(name, f(before[k]), f(after[k])) for name, k, f in figures if k in before and k in after]
+    greedy = ""
+    if "greedy_prompts" in after:
+        greedy = (
+            f"; greedy decoding: {after['greedy_prompts']} held-out prompts of {after['greedy_prompt_tokens']} "
+            f"tokens, {after['greedy_max_tokens']} new tokens each"
         )
-        text += (
-            f"\n\nOn {after['tokens']:,} held-out tokens ({after['dtype']}, windows of {after['seq_len']}), "
-            f"measured by the run:\n\n{table}"
-        )
-    return text
+    return (
+        f"\n\nOn {after['tokens']:,} held-out tokens ({after['dtype']}, windows of {after['seq_len']}){greedy}, "
+        f"measured by the run:\n\n{_table(('held-out metric', 'before', 'after'), rows)}"
+    )
+
+
+def _unlikelihood(record: dict[str, Any]) -> str:
+    """The repetition fine-tune (scripts/unlikelihood.py), from train_summary.json's "unlikelihood"."""
+    uc = record.get("config", {})
+    args = record.get("argv")
+    if args is None:
+        args = ["--model", str(record.get("source")), "--out", str(uc.get("out")), "--steps", str(record["steps"])]
+    cmd = shlex.join([PYTHON, "scripts/unlikelihood.py", *args])
+    pool = uc.get("gen_batch", 0) * uc.get("regen_every", 0)
+    rows = [
+        ("steps", f"{record['steps']:,}"),
+        ("next-token batch", f"{uc.get('batch_size')} training windows x {uc.get('seq_len')} tokens"),
+        (
+            "unlikelihood batch",
+            f"{uc.get('gen_batch')} greedy continuations of {uc.get('gen_tokens')} tokens after prefixes of "
+            f"{uc.get('prefix_min')}-{uc.get('prefix_max')} training tokens; {pool} written by the engine every "
+            f"{uc.get('regen_every')} steps",
+        ),
+        ("wall time", f"{_duration(record['seconds'])} on {_plural(uc.get('threads', 1), 'CPU thread')}"),
+        (
+            "optimizer",
+            f"AdamW on the trunk (not the routers' biases, not the MTP layer), peak lr {uc.get('lr')}, "
+            f"{uc.get('warmup_steps')} warm-up steps, cosine to {uc.get('min_lr_ratio')} x peak",
+        ),
+        (
+            "loss",
+            f"CE(trunk, t+1) + {uc.get('w_indexer'):g} x indexer KL + {uc.get('w_ul'):g} x mean over continuation "
+            f"tokens of -log(1 - p(token)), counted where the token lies in a run of {uc.get('ngram')} tokens that "
+            "occurred earlier in the prefix or the continuation",
+        ),
+        ("seed", str(uc.get("seed"))),
+        (
+            "continuations with a repeated n-gram",
+            f"{_pct(record['pool_repeating_first'])} at the first step, {_pct(record['pool_repeating_last'])} at the "
+            "last",
+        ),
+    ]
+    text = (
+        "After training, the trunk was fine-tuned against greedy loops by sequence-level unlikelihood: the engine "
+        "continues training prefixes greedily with the current weights, and the tokens of those continuations "
+        "that repeat an earlier n-gram are made less likely, beside the usual next-token loss on training text. "
+        f"Command:\n\n{fence(cmd, 'sh')}\n\n" + _table(("setting", "value"), rows)
+    )
+    figures = [
+        ("trunk next-token top-1 accuracy", "trunk_top1", _pct),
+        ("trunk loss (nats/token)", "trunk_loss", lambda x: f"{x:.4f}"),
+        ("greedy completions that repeat themselves", "greedy_repeating", _pct),
+        ("MTP agreement with the trunk's greedy next-next token (MTP layer not yet refitted)", "mtp_agreement", _pct),
+    ]
+    return text + _before_after(record, figures)
 
 
 def _evaluation(figures: dict[str, Any] | None, source: str, model_arg: str, summary: dict[str, Any]) -> str:
@@ -461,6 +513,11 @@ def _evaluation(figures: dict[str, Any] | None, source: str, model_arg: str, sum
             f"tokens by {figures['greedy_max_tokens']} greedy tokens each with one-token MTP drafts "
             f"({figures['mtp_greedy_drafts']:,} drafts), so a draft follows the trunk's own greedy token."
         )
+    if "greedy_repeating" in figures:
+        rows.append(
+            (f"greedy completions that repeat themselves (some {REPEAT_SPAN}-token run three times)",
+             _pct(figures["greedy_repeating"]))
+        )  # fmt: skip
     return (
         f"On {figures['tokens']:,} tokens of the {_plural(figures['heldout_files'], 'held-out file')} (windows of "
         f"{figures['seq_len']} tokens, {figures['dtype']}), run through leanserve's own loader, inference forward "
@@ -558,6 +615,11 @@ def write_card(
         "## Data\n\n" + _data(model_dir, summary, figures),
         "## Training\n\n" + _training(summary, records),
         "### Loss curve\n\n![trunk and MTP training loss against training tokens](loss_curve.png)",
+        *(
+            ["### Repetition fine-tune\n\n" + _unlikelihood(summary["unlikelihood"])]
+            if "unlikelihood" in summary
+            else []
+        ),
         *(
             ["### MTP self-distillation\n\n" + _distillation(summary["mtp_distill"])]
             if "mtp_distill" in summary

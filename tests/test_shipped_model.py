@@ -55,18 +55,61 @@ def test_greedy_tokens_equal_transformers(llm):
     assert_greedy_tokens_equal_transformers(llm, MODEL)
 
 
-def test_published_format_greedy_tokens_equal_transformers(published):
-    # leanserve keeps the FP8 / FP4 bytes and decodes them per call; transformers (with accelerate) dequantizes at
-    # load. On trained weights and real text, where a wrong scale or a flipped FP4 code would show in the tokens.
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def dequantized_copy(published: Path, out: Path) -> Path:
+    """The published checkpoint with every FP8 / FP4 weight dequantized by the format's definition (written here
+    from CHECKPOINTS.md, not leanserve's code) into float32, under the same names, without quantization_config.
+    transformers' own FP8 loader is no reference for this model: it splits a partial 128-block evenly (hidden
+    size 192: blocks of 96 + 96 rows where the format has 128 + 64; test_quantized's xfail)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(published / "model.safetensors"))
+    plain = {}
+    for name, t in tensors.items():
+        if name.endswith(".scale"):
+            continue
+        scale = tensors.get(name.removesuffix(".weight") + ".scale")
+        if scale is None:
+            plain[name] = t
+            continue
+        s = scale.view(torch.float8_e8m0fnu).float()
+        if t.dtype == torch.float8_e4m3fn:  # S[n // 128, k // 128]
+            rows, cols = t.shape
+            s = s.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+            plain[name] = t.float() * s
+        else:  # two e2m1 codes per byte, element 2j in the low nibble; S[n, k // 32]
+            b = t.view(torch.uint8).long()
+            codes = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)
+            plain[name] = E2M1[codes] * s.repeat_interleave(32, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(plain, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((published / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config.pop("expert_dtype", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "generation_config.json"):
+        (out / name).write_bytes((published / name).read_bytes())
+    return out
+
+
+def test_published_format_greedy_tokens_equal_transformers(published, tmp_path):
+    # leanserve keeps the FP8 / FP4 bytes and decodes them per call; transformers runs the same weights
+    # dequantized by the format's definition. On trained weights and real text, where a wrong scale or a
+    # flipped FP4 code would show in the tokens.
+    reference = dequantized_copy(published, tmp_path / "dequantized")
     with LLM(model=str(published), dtype="float32", max_model_len=512, load_progress=False) as llm:
         assert llm.engine.model_config.quantization is not None
-        assert_greedy_tokens_equal_transformers(llm, published)
+        assert_greedy_tokens_equal_transformers(llm, reference)
 
 
 def test_published_format_keeps_the_quality(published):
     # Rounding the linears to FP8 and the experts to FP4 (power-of-two scales) costs the model almost nothing on
-    # held-out code: next-token top-1 within half a point, the loss within 0.02 nats (measured: 49.66% vs
-    # 49.69%, 2.437 vs 2.433 on the first 16K held-out tokens; the README has the full figures).
+    # held-out code: next-token top-1 within half a point, the loss within 0.02 nats (the README has the figures
+    # on all the held-out tokens).
     from leanserve.train import data
     from leanserve.train.evaluate import evaluate
 
@@ -86,9 +129,6 @@ def test_completion_is_python_like(llm):
         assert out.outputs[0].text.startswith("\n    "), (prompt, out.outputs[0].text)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="the default model's greedy completions still repeat on 3 of the 5 prompts (see its card)"
-)
 def test_everyday_completions_do_not_repeat_themselves(llm):
     # The model card's five everyday prompts: in 64 greedy tokens no run of 8 tokens occurs three times.
     import card  # scripts/card.py (conftest puts scripts/ on sys.path)

@@ -15,11 +15,8 @@ train_summary.json under "mtp_distill", with the run's settings; the per-step lo
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,9 +30,9 @@ from leanserve.train import data as data_mod
 from leanserve.train.architecture import check_trainable
 from leanserve.train.evaluate import evaluate, format_eval
 from leanserve.train.forward import check_parity, make_ctx, mtp_forward, trunk_forward
+from leanserve.train.stage_dir import add_stage_arguments, check_model_dir, finish_stage, stage_main, staged_output
 from leanserve.train.trainer import check_fields, lr_at
 
-SUMMARY = "train_summary.json"
 LOG = "distill_log.jsonl"
 
 
@@ -74,10 +71,7 @@ def prepare(dc: DistillConfig) -> tuple[data_mod.Corpus, ModelConfig]:
 
     dc.validate()
     src = Path(dc.model)
-    if not (src / "config.json").is_file() or not (src / "model.safetensors").is_file():
-        raise ConfigError(f"{src} is not a model directory (config.json and model.safetensors are needed).")
-    if not (src / "tokenizer.json").is_file():
-        raise ConfigError(f"{src} has no tokenizer.json; the distillation data is encoded with the model's tokenizer.")
+    check_model_dir(src, "the distillation data is encoded with the model's tokenizer.")
     cfg = ModelConfig.from_hf(src)
     if not has_mtp_weights(src):
         raise ConfigError(f"{src} has no MTP weights (mtp.0.*); there is no MTP layer to distil.")
@@ -167,24 +161,21 @@ def distill(dc: DistillConfig, log=print, argv: list[str] | None = None, prepare
     seconds = time.perf_counter() - start
     log(f"distilled {dc.steps} steps in {seconds / 60:.1f} min")
 
-    # Write into a scratch directory beside `out`, check the trunk is untouched, then move into place.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as scratch:
-        tmp = Path(scratch)
-        for f in src.iterdir():
-            if f.is_file() and f.name not in ("model.safetensors", "config.json"):
-                shutil.copy2(f, tmp / f.name)
+    def evaluate_after(tmp: Path) -> dict[str, Any] | None:
+        if before is None:
+            return None
+        after = evaluate(tmp, corpus=corpus, max_tokens=dc.eval_tokens, seq_len=dc.seq_len)
+        after["model"] = str(out)
+        log("after: " + format_eval(after))
+        return after
+
+    # Written into a scratch directory beside `out`, checked that the trunk is untouched, then moved into place.
+    with staged_output(src, out) as tmp:
         save_checkpoint(model, tmp, dtype=checkpoint_dtype(src))  # the source's own dtype
         new, old = _tensors(tmp / "model.safetensors"), _tensors(src / "model.safetensors")
         changed = [n for n in old if not n.startswith("mtp.") and not torch.equal(old[n], new[n])]
         if changed or set(new) != set(old):
             raise RuntimeError(f"distillation would change trunk tensors ({changed[:3]}...); nothing written")
-        (tmp / LOG).write_text("".join(json.dumps(r) + "\n" for r in records))
-        after = None
-        if before is not None:
-            after = evaluate(tmp, corpus=corpus, max_tokens=dc.eval_tokens, seq_len=dc.seq_len)
-            after["model"] = str(out)
-            log("after: " + format_eval(after))
         tail = records[-max(1, len(records) // 10) :]
         record: dict[str, Any] = {
             "source": str(src),
@@ -194,62 +185,20 @@ def distill(dc: DistillConfig, log=print, argv: list[str] | None = None, prepare
             "config": {k: v for k, v in asdict(dc).items() if k != "progress"},
             "final_agreement_mean_last_10pct": sum(r["agreement"] for r in tail) / len(tail),
             "heldout_before": before,
-            "heldout_after": after,
             "torch_version": torch.__version__,
         }
-        if argv is not None:
-            record["argv"] = list(argv)
-        summary_path = tmp / SUMMARY
-        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-        summary["mtp_distill"] = record
-        if after is not None:
-            summary["heldout"] = after
-        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-        out.mkdir(exist_ok=True)
-        for f in tmp.iterdir():
-            os.replace(f, out / f.name)
-    return record
+        return finish_stage(tmp, "mtp_distill", record, LOG, records, evaluate_after, argv)
 
 
 # --- command line (scripts/distill_mtp.py) ----------------------------------------------------------------
 def distill_main(argv: list[str] | None = None) -> int:
     import argparse
-    import sys
 
     d = DistillConfig(model="", out="")
     p = argparse.ArgumentParser(
         description="Distil a trained model's MTP layer towards its own trunk (higher speculative acceptance); "
         "the trunk's weights are left byte-identical."
     )
-    p.add_argument("--model", required=True, help="trained model directory (with mtp.0.* weights)")
-    p.add_argument("--out", required=True, help="output model directory (may be --model itself)")
-    p.add_argument("--corpus", default=None, help=data_mod.CORPUS_HELP)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+    add_stage_arguments(p, d, "trained model directory (with mtp.0.* weights)")
     p.add_argument("--w-data", type=float, default=d.w_data, help="weight of the real-token MTP loss (0..1)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--threads", type=int, default=d.threads)
-    p.add_argument("--no-compile", action="store_true", help="run mHC eagerly instead of through torch.compile")
-    p.add_argument("--eval-tokens", type=int, default=d.eval_tokens, help="held-out tokens evaluated before/after")
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    dc = DistillConfig(
-        model=args.model, out=args.out, corpus=args.corpus, steps=args.steps, batch_size=args.batch_size,
-        seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
-        w_data=args.w_data, seed=args.seed, threads=args.threads, compile=not args.no_compile,
-        eval_tokens=args.eval_tokens,
-        progress=not args.no_progress,
-    )  # fmt: skip
-    try:
-        prepared = prepare(dc)
-    except (ValueError, OSError) as e:  # ConfigError and CorpusError are ValueErrors
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    recorded = sys.argv[1:] if argv is None else list(argv)
-    record = distill(dc, log=lambda m: print(m, file=sys.stderr, flush=True), argv=recorded, prepared=prepared)
-    print(json.dumps({k: v for k, v in record.items() if k != "config"}, indent=2))
-    return 0
+    return stage_main(p, DistillConfig, prepare, distill, argv)

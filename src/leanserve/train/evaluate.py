@@ -104,13 +104,25 @@ def evaluate(
     }
 
 
+REPEAT_SPAN = 8  # a completion repeats itself when some run of this many tokens occurs three times in it
+
+
+def most_repeated_span(token_ids: list[int], span: int = REPEAT_SPAN) -> int:
+    """How often the most frequent run of `span` consecutive tokens occurs (0 if there are fewer tokens)."""
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(len(token_ids) - span + 1):
+        key = tuple(token_ids[i : i + span])
+        counts[key] = counts.get(key, 0) + 1
+    return max(counts.values(), default=0)
+
+
 def greedy_acceptance(
     model_dir: str | Path, prompts: int = 48, prompt_tokens: int = 48, max_tokens: int = 64, dtype: str = "auto"
 ) -> dict[str, Any]:
     """The engine decodes `prompts` held-out code prompts (bench spec's) greedily with one-token MTP drafts: the
     share of drafts the trunk accepts, i.e. how often the MTP layer's draft is the trunk's greedy next-next token
     on the text the trunk itself writes (where a draft's first token is the trunk's greedy token, not the
-    held-out text's)."""
+    held-out text's); and the share of those completions that repeat themselves (some 8-token run three times)."""
     from leanserve import LLM, SamplingParams
     from leanserve.bench.common import code_prompts
 
@@ -123,14 +135,16 @@ def greedy_acceptance(
             raise ValueError(f"{model_dir} has no tokenizer.json to encode the held-out prompts with.")
         ids = code_prompts(llm.get_tokenizer(), prompts, prompt_tokens)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": p} for p in ids], params)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], params)
         m = llm.spec_decode_metrics()
+    repeating = sum(most_repeated_span(list(o.outputs[0].token_ids)) >= 3 for o in outs)
     return {
         "greedy_prompts": prompts,
         "greedy_prompt_tokens": prompt_tokens,
         "greedy_max_tokens": max_tokens,
         "mtp_greedy_drafts": m["num_draft_tokens"],
         "mtp_greedy_acceptance": m["num_accepted_tokens"] / m["num_draft_tokens"],
+        "greedy_repeating": repeating / len(outs),
     }
 
 
@@ -144,6 +158,8 @@ def format_eval(r: dict[str, Any]) -> str:
     ]
     if "mtp_greedy_acceptance" in r:
         rows.append(("MTP k=1 acceptance, greedy decoding", f"{r['mtp_greedy_acceptance']:.2%}"))
+    if "greedy_repeating" in r:
+        rows.append(("greedy completions that repeat themselves", f"{r['greedy_repeating']:.2%}"))
     width = max(len(k) for k, _ in rows)
     head = f"held-out: {r['tokens']} tokens from {r['heldout_files']} files, {r['dtype']}, windows of {r['seq_len']}"
     if "mtp_greedy_acceptance" in r:
