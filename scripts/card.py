@@ -372,13 +372,19 @@ def _distill_loss(w_data: float) -> str:
     return f"{1 - w_data:g} x {soft} + {w_data:g} x CE(MTP logits at t, token t+2)"
 
 
+def _stage_command(record: dict[str, Any], script: str) -> str:
+    """The command line a stage after training ran with, as recorded (or the essentials, for older records)."""
+    args = record.get("argv")
+    if args is None:
+        out = record.get("config", {}).get("out")
+        args = ["--model", str(record.get("source")), "--out", str(out), "--steps", str(record["steps"])]
+    return shlex.join([PYTHON, script, *args])
+
+
 def _distillation(record: dict[str, Any]) -> str:
     """The MTP self-distillation run (scripts/distill_mtp.py), from train_summary.json's "mtp_distill"."""
     dc = record.get("config", {})
-    args = record.get("argv")
-    if args is None:
-        args = ["--model", str(record.get("source")), "--out", str(dc.get("out")), "--steps", str(record["steps"])]
-    cmd = shlex.join([PYTHON, "scripts/distill_mtp.py", *args])
+    cmd = _stage_command(record, "scripts/distill_mtp.py")
     rows = [
         ("steps", f"{record['steps']:,}"),
         ("batch", f"{dc.get('batch_size')} sequences x {dc.get('seq_len')} tokens ({record['tokens']:,} tokens)"),
@@ -428,10 +434,7 @@ def _before_after(record: dict[str, Any], figures: list[tuple[str, str, Any]]) -
 def _unlikelihood(record: dict[str, Any]) -> str:
     """The repetition fine-tune (scripts/unlikelihood.py), from train_summary.json's "unlikelihood"."""
     uc = record.get("config", {})
-    args = record.get("argv")
-    if args is None:
-        args = ["--model", str(record.get("source")), "--out", str(uc.get("out")), "--steps", str(record["steps"])]
-    cmd = shlex.join([PYTHON, "scripts/unlikelihood.py", *args])
+    cmd = _stage_command(record, "scripts/unlikelihood.py")
     pool = uc.get("gen_batch", 0) * uc.get("regen_every", 0)
     rows = [
         ("steps", f"{record['steps']:,}"),

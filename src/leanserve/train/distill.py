@@ -30,7 +30,14 @@ from leanserve.train import data as data_mod
 from leanserve.train.architecture import check_trainable
 from leanserve.train.evaluate import evaluate, format_eval
 from leanserve.train.forward import check_parity, make_ctx, mtp_forward, trunk_forward
-from leanserve.train.stage_dir import add_stage_arguments, check_model_dir, finish_stage, stage_main, staged_output
+from leanserve.train.stage_dir import (
+    add_stage_arguments,
+    check_model_dir,
+    finish_stage,
+    learn_only,
+    stage_main,
+    staged_output,
+)
 from leanserve.train.trainer import check_fields, lr_at
 
 LOG = "distill_log.jsonl"
@@ -105,12 +112,7 @@ def distill(dc: DistillConfig, log=print, argv: list[str] | None = None, prepare
         cfg, max_positions=dc.seq_len + 2, dtype=torch.float32, with_mtp=True, backend="torch"
     )  # (training: the torch statement, under autograd)
     load_weights(model, src, progress=False)
-    params = []
-    for name, p in model.named_parameters():
-        learns = name.startswith("mtp.") and not name.endswith("gate.bias")
-        p.requires_grad_(learns)
-        if learns:
-            params.append(p)
+    params = learn_only(model, lambda name: name.startswith("mtp.") and not name.endswith("gate.bias"))
     log(f"model: {src}, {sum(p.numel() for p in params) / 1e6:.2f}M MTP parameters learn, the trunk is frozen")
     parity_ids = sampler.next()[:2, : min(dc.seq_len, 256) + 2]
     log(f"parity: batched training forward vs inference forward, max |dlog p| {check_parity(model, parity_ids):.2e}")
@@ -161,13 +163,8 @@ def distill(dc: DistillConfig, log=print, argv: list[str] | None = None, prepare
     seconds = time.perf_counter() - start
     log(f"distilled {dc.steps} steps in {seconds / 60:.1f} min")
 
-    def evaluate_after(tmp: Path) -> dict[str, Any] | None:
-        if before is None:
-            return None
-        after = evaluate(tmp, corpus=corpus, max_tokens=dc.eval_tokens, seq_len=dc.seq_len)
-        after["model"] = str(out)
-        log("after: " + format_eval(after))
-        return after
+    def measure(model_dir: Path) -> dict[str, Any]:
+        return evaluate(model_dir, corpus=corpus, max_tokens=dc.eval_tokens, seq_len=dc.seq_len)
 
     # Written into a scratch directory beside `out`, checked that the trunk is untouched, then moved into place.
     with staged_output(src, out) as tmp:
@@ -187,7 +184,9 @@ def distill(dc: DistillConfig, log=print, argv: list[str] | None = None, prepare
             "heldout_before": before,
             "torch_version": torch.__version__,
         }
-        return finish_stage(tmp, "mtp_distill", record, LOG, records, evaluate_after, argv)
+        return finish_stage(
+            tmp, out, "mtp_distill", record, LOG, records, measure if before is not None else None, log, argv
+        )
 
 
 # --- command line (scripts/distill_mtp.py) ----------------------------------------------------------------

@@ -236,10 +236,15 @@ def compute_losses(model: DeepseekV4, ids: torch.Tensor, ctx: Ctx, w_mtp: float,
     logits, mtp_logits = forward_train(model, ids, ctx)
     lm = F.cross_entropy(logits, ids[:, 1 : length + 1].reshape(-1))
     mtp = F.cross_entropy(mtp_logits, ids[:, 2 : length + 2].reshape(-1))
-    kls = ctx.stats.get("indexer_kl", [])
-    indexer = torch.stack(kls).mean() if kls else torch.zeros(())
+    indexer = indexer_loss(ctx)
     total = lm + w_mtp * mtp + w_indexer * indexer
     return Losses(total, lm.item(), mtp.item(), indexer.item())
+
+
+def indexer_loss(ctx: Ctx) -> torch.Tensor:
+    """The mean of the indexer KL losses the last forward recorded (zero for a model without indexers)."""
+    kls = ctx.stats.get("indexer_kl", [])
+    return torch.stack(kls).mean() if kls else torch.zeros(())
 
 
 @torch.no_grad()

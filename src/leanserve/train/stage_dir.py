@@ -42,26 +42,46 @@ def staged_output(src: Path, out: Path) -> Iterator[Path]:
             os.replace(f, out / f.name)
 
 
+def learn_only(model, learns: Callable[[str], bool]) -> list:
+    """Turns gradients on for the parameters whose names `learns` accepts, off for the others; returns those."""
+    params = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(learns(name))
+        if learns(name):
+            params.append(p)
+    return params
+
+
 def finish_stage(
     tmp: Path,
+    out: Path,
     key: str,
     record: dict[str, Any],
     log_name: str,
     log_records: list[dict[str, Any]],
-    evaluate_after: Callable[[Path], dict[str, Any]] | None,
+    measure: Callable[[Path], dict[str, Any]] | None,
+    log: Callable[[str], None],
     argv: list[str] | None,
 ) -> dict[str, Any]:
-    """Writes the stage's per-step log, its held-out figures after (`evaluate_after(tmp)`, when given) and its
-    record under `key` of the summary (whose "heldout" becomes the figures after); returns the record."""
+    """Writes the stage's per-step log, its held-out figures after (`measure(tmp)`, when given: the figures of the
+    model as `out` will hold it) and its record under `key` of the summary (whose "heldout" becomes the figures
+    after); returns the record."""
+    from leanserve.train.evaluate import format_eval
+
     (tmp / log_name).write_text("".join(json.dumps(r) + "\n" for r in log_records))
-    record["heldout_after"] = evaluate_after(tmp) if evaluate_after is not None else None
+    after = None
+    if measure is not None:
+        after = measure(tmp)
+        after["model"] = str(out)
+        log("after: " + format_eval(after))
+    record["heldout_after"] = after
     if argv is not None:
         record["argv"] = list(argv)
     summary_path = tmp / SUMMARY
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     summary[key] = record
-    if record["heldout_after"] is not None:
-        summary["heldout"] = record["heldout_after"]
+    if after is not None:
+        summary["heldout"] = after
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return record
 

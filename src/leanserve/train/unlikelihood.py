@@ -37,8 +37,15 @@ from leanserve.config import ModelConfig
 from leanserve.train import data as data_mod
 from leanserve.train.architecture import check_trainable
 from leanserve.train.evaluate import evaluate, format_eval, greedy_acceptance
-from leanserve.train.forward import make_ctx, trunk_forward
-from leanserve.train.stage_dir import add_stage_arguments, check_model_dir, finish_stage, stage_main, staged_output
+from leanserve.train.forward import indexer_loss, make_ctx, trunk_forward
+from leanserve.train.stage_dir import (
+    add_stage_arguments,
+    check_model_dir,
+    finish_stage,
+    learn_only,
+    stage_main,
+    staged_output,
+)
 from leanserve.train.trainer import check_fields, lr_at
 
 LOG = "unlikelihood_log.jsonl"
@@ -111,25 +118,29 @@ def repeated_ngram_mask(tokens: list[int], start: int, n: int) -> list[bool]:
     return marked[start:]
 
 
-def sample_prefixes(stream: torch.Tensor, count: int, lo: int, hi: int, gen: torch.Generator) -> list[list[int]]:
-    """`count` prompts of lo..hi tokens: even ones from a document's start (`<bos>` + tokens), odd ones from
-    anywhere in the stream, cut before a document boundary."""
-    starts = (stream == data_mod.BOS_ID).nonzero().flatten()
-    prefixes = []
-    for i in range(count):
-        length = int(torch.randint(lo, hi + 1, (), generator=gen))
-        if i % 2 == 0:
-            at = int(starts[torch.randint(0, starts.numel(), (), generator=gen)])
-        else:
-            at = int(torch.randint(0, stream.numel() - hi, (), generator=gen))
-        ids = stream[at : at + length].tolist()
-        if i % 2 == 1:  # nothing past the end of a document
-            for j, t in enumerate(ids):
-                if t in (data_mod.EOS_ID, data_mod.BOS_ID) and j > 0:
-                    ids = ids[:j]
-                    break
-        prefixes.append(ids)
-    return prefixes
+class PrefixSampler:
+    """Prompts of lo..hi tokens from the training stream: even ones from a document's start (`<bos>` + tokens),
+    odd ones from anywhere, cut before a document boundary; a pure function of (seed, prompts drawn)."""
+
+    def __init__(self, stream: torch.Tensor, lo: int, hi: int, seed: int) -> None:
+        self.stream, self.lo, self.hi = stream, lo, hi
+        self.starts = (stream == data_mod.BOS_ID).nonzero().flatten()  # every document's first position
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def next(self, count: int) -> list[list[int]]:
+        prefixes = []
+        for i in range(count):
+            length = int(torch.randint(self.lo, self.hi + 1, (), generator=self.gen))
+            if i % 2 == 0:
+                at = int(self.starts[torch.randint(0, self.starts.numel(), (), generator=self.gen)])
+            else:
+                at = int(torch.randint(0, self.stream.numel() - self.hi, (), generator=self.gen))
+            ids = self.stream[at : at + length].tolist()
+            if i % 2 == 1:  # nothing past the end of a document
+                ends = [j for j, t in enumerate(ids) if j > 0 and t in (data_mod.EOS_ID, data_mod.BOS_ID)]
+                ids = ids[: ends[0]] if ends else ids
+            prefixes.append(ids)
+        return prefixes
 
 
 @dataclass
@@ -141,7 +152,11 @@ class Pool:
     ids: torch.Tensor
     where: torch.Tensor
     candidates: torch.Tensor
-    repeating: float  # share of continuations whose candidates are any
+
+    @property
+    def repeating(self) -> float:
+        """The share of continuations with any candidate."""
+        return self.candidates.any(dim=1).float().mean().item()
 
     @classmethod
     def build(cls, prefixes: list[list[int]], continuations: list[list[int]], length: int, n: int) -> Pool:
@@ -151,11 +166,10 @@ class Pool:
         for i, (p, c) in enumerate(zip(prefixes, continuations, strict=True)):
             seq = (p + c)[:length]
             ids[i, : len(seq)] = torch.tensor(seq)
-            marks = repeated_ngram_mask(seq, len(p), n)
-            for j, marked in enumerate(marks):
-                where[i, len(p) + j - 1] = True
-                candidates[i, len(p) + j - 1] = marked
-        return cls(ids, where, candidates, candidates.any(dim=1).float().mean().item())
+            rows = slice(len(p) - 1, len(seq) - 1)  # the positions whose logits predict a continuation token
+            where[i, rows] = True
+            candidates[i, rows] = torch.tensor(repeated_ngram_mask(seq, len(p), n), dtype=torch.bool)
+        return cls(ids, where, candidates)
 
 
 def unlikelihood_loss(logits: torch.Tensor, pool_ids: torch.Tensor, where: torch.Tensor, cand: torch.Tensor):
@@ -214,18 +228,13 @@ def tune(uc: UnlikelihoodConfig, log=print, argv: list[str] | None = None, prepa
     tok = data_mod.load_tokenizer(src)
     stream = data_mod.encode_documents(tok, corpus.train, seed=uc.seed)
     sampler = data_mod.WindowSampler(stream, uc.seq_len + 2, uc.batch_size, uc.seed)
-    prefix_gen = torch.Generator().manual_seed(uc.seed)
+    prefix_sampler = PrefixSampler(stream, uc.prefix_min, uc.prefix_max, uc.seed)
     with_mtp = has_mtp_weights(src)
     gen_len = uc.prefix_max + uc.gen_tokens
     model = build_model(cfg, max_positions=max(uc.seq_len, gen_len) + 2, dtype=torch.float32, with_mtp=with_mtp,
                         backend="torch")  # fmt: skip
     load_weights(model, src, progress=False)
-    params = []
-    for name, p in model.named_parameters():
-        learns = not name.startswith("mtp.") and not name.endswith("gate.bias")
-        p.requires_grad_(learns)
-        if learns:
-            params.append(p)
+    params = learn_only(model, lambda name: not name.startswith("mtp.") and not name.endswith("gate.bias"))
     log(f"model: {src}, {sum(p.numel() for p in params) / 1e6:.2f}M trunk parameters learn")
 
     before = None
@@ -241,8 +250,7 @@ def tune(uc: UnlikelihoodConfig, log=print, argv: list[str] | None = None, prepa
     with tqdm(total=uc.steps, desc="unlikelihood", unit="step", disable=not uc.progress) as bar:
         for step in range(uc.steps):
             if step % uc.regen_every == 0:
-                prefixes = sample_prefixes(stream, uc.gen_batch * uc.regen_every, uc.prefix_min, uc.prefix_max,
-                                           prefix_gen)  # fmt: skip
+                prefixes = prefix_sampler.next(uc.gen_batch * uc.regen_every)
                 pool = Pool.build(prefixes, greedy_continuations(model, src, prefixes, uc.gen_tokens), gen_len,
                                   uc.ngram)  # fmt: skip
             rows = slice((step % uc.regen_every) * uc.gen_batch, (step % uc.regen_every + 1) * uc.gen_batch)
@@ -252,8 +260,7 @@ def tune(uc: UnlikelihoodConfig, log=print, argv: list[str] | None = None, prepa
             ids = sampler.next()
             _, logits = trunk_forward(model, ids, ctx)
             lm = F.cross_entropy(logits, ids[:, 1 : uc.seq_len + 1].reshape(-1))
-            kls = ctx.stats.get("indexer_kl", [])
-            indexer = torch.stack(kls).mean() if kls else torch.zeros(())
+            indexer = indexer_loss(ctx)
             _, ul_logits = trunk_forward(model, pool.ids[rows], ul_ctx)
             ul = unlikelihood_loss(ul_logits, pool.ids[rows], pool.where[rows], pool.candidates[rows])
             loss = lm + uc.w_indexer * indexer + uc.w_ul * ul
@@ -282,14 +289,6 @@ def tune(uc: UnlikelihoodConfig, log=print, argv: list[str] | None = None, prepa
     seconds = time.perf_counter() - start
     log(f"tuned {uc.steps} steps in {seconds / 60:.1f} min")
 
-    def evaluate_after(tmp: Path) -> dict[str, Any] | None:
-        if before is None:
-            return None
-        after = heldout_figures(tmp, corpus, uc)
-        after["model"] = str(out)
-        log("after: " + format_eval(after))
-        return after
-
     with staged_output(src, out) as tmp:
         save_checkpoint(model, tmp, dtype=checkpoint_dtype(src))
         record: dict[str, Any] = {
@@ -303,7 +302,8 @@ def tune(uc: UnlikelihoodConfig, log=print, argv: list[str] | None = None, prepa
             "heldout_before": before,
             "torch_version": torch.__version__,
         }
-        return finish_stage(tmp, "unlikelihood", record, LOG, records, evaluate_after, argv)
+        measure = (lambda d: heldout_figures(d, corpus, uc)) if before is not None else None
+        return finish_stage(tmp, out, "unlikelihood", record, LOG, records, measure, log, argv)
 
 
 # --- command line (scripts/unlikelihood.py) ----------------------------------------------------------------------
