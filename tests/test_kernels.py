@@ -478,12 +478,19 @@ def test_mtp_drafts_take_the_cpu_fast_path(monkeypatch, decode_calls):
     assert slow == {"mtp_torch": [10], "draft_samples": 0}  # (torch: only the prompt's catch-up, a prefill)
 
 
-def test_threaded_kernels_match_one_thread():
+def test_threaded_kernels_match_one_thread(monkeypatch):
     # Each task of a threaded kernel writes only its own outputs (no races, no shared sums), at a batch large
     # enough to take the threaded builds (decode of 20 sequences, MoE over 40 token-expert pairs, attention over
-    # 20 blocks): the same tokens, and logprobs that differ at most by float32 rounding (the two builds are
-    # compiled separately and may vectorise a sum in a different order).
+    # 20 blocks, prefills of up to 70 tokens): the same tokens, and logprobs that differ at most by float32
+    # rounding (the two builds are compiled separately and may vectorise a sum in a different order).
     from leanserve import LLM, SamplingParams
+    from leanserve.model.cpu_kernels.base import Threaded
+
+    ran = set()  # the kernels whose threaded build ran
+    for name in dir(cpu_kernels):
+        kernel = getattr(cpu_kernels, name)
+        if isinstance(kernel, Threaded):
+            monkeypatch.setattr(kernel, "all", lambda *a, f=kernel.all, name=name: (ran.add(name), f(*a))[1])
 
     prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate([5, 70, 23, 40] * 5)]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True)
@@ -494,6 +501,8 @@ def test_threaded_kernels_match_one_thread():
         threaded = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     finally:
         torch.set_num_threads(threads)
+    kernels = {"attend", "index_select", "moe_tokens", "hc_pre", "hc_post", "norm_rope", "rms_norm", "grouped_linear"}
+    assert kernels <= ran, f"these kernels never took their threaded build: {sorted(kernels - ran)}"
     with cpu_kernels.one_thread():
         one = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for a, b in zip(threaded, one, strict=True):

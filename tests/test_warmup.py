@@ -58,9 +58,9 @@ def test_generation_after_warmup_compiles_nothing(monkeypatch):
             assert len(tok.encode(long_prompt)) > max(
                 2 * batch.PREFILL_BLOCK, (cfg.index_topk + 1) * cfg.compress_rate_csa
             )
-            selected = []  # the indexer's top-k selection runs during the generation (not only in the warm-up)
-            select = cpu_kernels.index_select
-            monkeypatch.setattr(cpu_kernels, "index_select", lambda *a: selected.append(a[0]) or select(*a))
+            selected = []  # the query blocks of each indexer top-k selection during the generation (not the warm-up)
+            select = cpu_kernels.index_select  # (its arguments: work, q, head weights, q_rows [blocks, queries], ...)
+            monkeypatch.setattr(cpu_kernels, "index_select", lambda *a: selected.append(a[3].shape[0]) or select(*a))
             params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
             for prompts in (["x"], ["def fibonacci(n):"], [long_prompt], ["import os\n" * 6, "class A:"]):
                 outs = llm.generate(prompts, params)

@@ -36,6 +36,12 @@ SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
 # --- the pieces on numpy arrays (weights: numpy views of the typed weights) --------------------------------
+def spread(tasks: int, work: int) -> int:
+    """A threaded kernel's work measure (its multiply-adds or elements) when its outer loop has `tasks` iterations
+    to spread over the cores; 0 (the one-thread build) for a single one, which no other core could share."""
+    return work if tasks > 1 else 0
+
+
 def rms_norm_arrays(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     out = np.empty_like(x)
     ck.rms_norm(x.shape[0], x, weight, eps, out)
@@ -86,13 +92,14 @@ def attend_arrays(w: AttentionWeights, q, ring, new_kv, group, most: int, visibl
     idx = w.indexer
     if index_queries is not None and most > idx.topk:
         chosen = np.empty((*q_rows.shape, most), dtype=np.bool_)
+        work = spread(q_rows.shape[0], q_rows.size * idx.heads * idx.head_dim * most)  # (query-row products x width)
         ck.index_select(
-            q_rows.shape[0], *index_queries, q_rows, q_valid, block_slot, idx_rows, visible, idx.topk,
-            idx.head_dim**-0.5, chosen,
-        )  # fmt: skip
+            work, *index_queries, q_rows, q_valid, block_slot, idx_rows, visible, idx.topk, idx.head_dim**-0.5, chosen
+        )
+    work = spread(q_rows.shape[0], q_rows.size * q.shape[1] * q.shape[2] * (key_index.shape[1] + most))  # (likewise)
     ck.attend(
-        q_rows.shape[0], q, ring, new_kv, q_rows, q_valid, key_index, key_mask, block_slot, rows, visible, chosen,
-        w.sink, w.head_dim**-0.5, angles, out,
+        work, q, ring, new_kv, q_rows, q_valid, key_index, key_mask, block_slot, rows, visible, chosen, w.sink,
+        w.head_dim**-0.5, angles, out,
     )  # fmt: skip
 
 
@@ -100,7 +107,7 @@ def moe_arrays(x: np.ndarray, input_ids: np.ndarray, args: tuple) -> np.ndarray:
     """The whole MoE as one compiled call: x, out [T, hidden] float32 (experts plain, FP4 or FP8; the shared
     expert plain or FP8); `args` its weights as moe_args gives them."""
     out = np.empty_like(x)
-    ck.moe_tokens(x.shape[0], x, input_ids, *args, out)
+    ck.moe_tokens(ck.moe_work(x.shape[0], args[0], args[3], args[6], args[10]), x, input_ids, *args, out)
     return out
 
 

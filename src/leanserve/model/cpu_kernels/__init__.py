@@ -26,7 +26,7 @@ from leanserve.model.cpu_kernels.base import (
 )
 from leanserve.model.cpu_kernels.linear import grouped_linear
 from leanserve.model.cpu_kernels.mix import hc_post, hc_pre, norm_rope, rms_norm
-from leanserve.model.cpu_kernels.moe import moe_tokens
+from leanserve.model.cpu_kernels.moe import moe_tokens, moe_work
 from leanserve.model.cpu_kernels.quantized import (
     Matmuls,
     dequantized,
@@ -40,6 +40,6 @@ MODULES = (base, mix, linear, simd, quantized, moe, attention)
 __all__ = [
     "EMPTY", "MODULES", "Matmuls", "Threaded", "_exp_jit", "_jit", "attend", "available", "compress", "dequantized",
     "disabled", "grouped_linear", "grouped_linear_fp8", "hc_post", "hc_pre", "index_select", "limit_threads",
-    "matmuls", "moe_tokens", "norm_rope", "np_", "numba", "one_thread", "rms_norm",
+    "matmuls", "moe_tokens", "moe_work", "norm_rope", "np_", "numba", "one_thread", "rms_norm",
     "stored", "weight_np",
 ]  # fmt: skip

@@ -213,7 +213,8 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
 
 
 # work = query blocks
-attend = Threaded(_attend, min_work=2)
+# work = as index_select's, over the window's keys and the compressed rows
+attend = Threaded(_attend, min_work=1 << 17)
 
 
 def _index_select(q, head_w, q_rows, q_valid, slot, keys, visible, topk, scale, out):  # pragma: no cover
@@ -261,5 +262,6 @@ def _index_select(q, head_w, q_rows, q_valid, slot, keys, visible, topk, scale, 
                 out[b, i, rows[r]] = True
 
 
-# work = query blocks
-index_select = Threaded(_index_select, min_work=2)
+# work = the query-row dot products of a block's queries and heads, times the rows' width: threads pay from about
+# eight decode blocks of the shipped model (2 cores); a block is one prange iteration
+index_select = Threaded(_index_select, min_work=1 << 17)

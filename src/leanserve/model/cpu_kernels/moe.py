@@ -145,4 +145,12 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
             out[t, k] += ys[r, k]
 
 
-moe_tokens = Threaded(_moe_tokens, min_work=2)
+# work = multiply-adds (moe_work): on 2 cores the shipped model's experts pay for threads from about 16 tokens, and
+# DeepSeek-V4's at any count (its tasks, the active experts, read megabytes each)
+moe_tokens = Threaded(_moe_tokens, min_work=1 << 20)
+
+
+def moe_work(n: int, gate, top_k: int, w13, shared_w1) -> int:
+    """The experts' multiply-adds for n tokens: each through its top_k experts and the shared one (three matrices
+    of hidden x intermediate each; w13 [E, 2I, ...] and shared_w1 [I', ...] as stored, their rows count)."""
+    return n * 3 * gate.shape[1] * (top_k * (w13.shape[1] // 2) + shared_w1.shape[0])
