@@ -107,7 +107,7 @@ def moe_arrays(x: np.ndarray, input_ids: np.ndarray, args: tuple) -> np.ndarray:
     """The whole MoE as one compiled call: x, out [T, hidden] float32 (experts plain, FP4 or FP8; the shared
     expert plain or FP8); `args` its weights as moe_args gives them."""
     out = np.empty_like(x)
-    ck.moe_tokens(ck.moe_work(x.shape[0], args[0], args[3], args[6], args[10]), x, input_ids, *args, out)
+    ck.moe_tokens(ck.moe_work(x.shape[0], args), x, input_ids, *args, out)
     return out
 
 

@@ -150,7 +150,9 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
 moe_tokens = Threaded(_moe_tokens, min_work=1 << 20)
 
 
-def moe_work(n: int, gate, top_k: int, w13, shared_w1) -> int:
+def moe_work(n: int, weights: tuple) -> int:
     """The experts' multiply-adds for n tokens: each through its top_k experts and the shared one (three matrices
-    of hidden x intermediate each; w13 [E, 2I, ...] and shared_w1 [I', ...] as stored, their rows count)."""
-    return n * 3 * gate.shape[1] * (top_k * (w13.shape[1] // 2) + shared_w1.shape[0])
+    of hidden x intermediate each). `weights`: _moe_tokens' arguments from gate_w to limit, in its order (w13
+    [E, 2I, ...] and sw1 [I', ...] as stored: their rows count)."""
+    gate, _, _, top_k, _, _, w13, _, _, _, sw1 = weights[:11]
+    return n * 3 * gate.shape[1] * (top_k * (w13.shape[1] // 2) + sw1.shape[0])
