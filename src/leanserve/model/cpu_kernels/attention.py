@@ -212,8 +212,8 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
                     out[t, h, lead + 2 * p2 + 1] = im * cr - re * ci
 
 
-# work = query blocks
-# work = as index_select's, over the window's keys and the compressed rows
+# work = query-key dot products times the keys' width, over the window's keys and the compressed rows (see
+# index_select's)
 attend = Threaded(_attend, min_work=1 << 17)
 
 
