@@ -115,6 +115,34 @@ def test_hc_pre_and_post_match_torch(tokens):
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 15, 40])
+def test_hc_post_then_pre_in_one_call(tokens):
+    # The decode path runs one site's hc_post and the next site's hc_pre as one kernel call below FUSED_MIX tokens
+    # (the separate calls above it): the same streams, next input and weights as the two calls one after the other.
+    from leanserve.model import decode
+    from leanserve.model.cpu_backend import numpy_views
+
+    gen = torch.Generator().manual_seed(tokens)
+    hc, dim = 4, 32
+
+    def mix():
+        fn = torch.randn((2 + hc) * hc, hc * dim, generator=gen) * 0.1
+        base, scale = torch.randn((2 + hc) * hc, generator=gen), torch.rand(3, generator=gen) + 0.5
+        return numpy_views(MixWeights(fn, base, scale, torch.rand(dim, generator=gen) + 0.5, 1e-6, 1e-6, 20))
+
+    streams = torch.randn(tokens, hc, dim, generator=gen).numpy()
+    first, second = mix(), mix()
+    _, before = decode.hc_pre_arrays(streams, first)
+    block_out = torch.randn(tokens, dim, generator=gen).numpy()
+    fused = decode.mixed_in(streams, second, (block_out, before))
+    after = decode.hc_post_arrays(block_out, streams, *decode.post_comb(before, hc))
+    apart = (after, *decode.hc_pre_arrays(after, second))
+    for a, b in zip(fused, apart, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(fused[0], streams)  # (the post-mix changed the streams)
+    np.testing.assert_allclose(decode.settled(streams, (block_out, before)), after)
+
+
 @pytest.mark.parametrize("tokens", [1, 9])
 def test_hc_head_matches_torch(tokens):
     # hc_head + the final norm run as hc_pre's kernel with its pre weights only

@@ -71,6 +71,41 @@ def hc_post_arrays(block_out, streams, post, comb) -> np.ndarray:
     return out
 
 
+def post_comb(weights: np.ndarray, hc: int) -> tuple[np.ndarray, np.ndarray]:
+    """hc_post's post [T, hc] and comb [T, hc, hc] weights: views of hc_pre's weights [T, M] (pre | post | comb)."""
+    return weights[:, hc : 2 * hc], weights[:, 2 * hc :].reshape(-1, hc, hc)
+
+
+FUSED_MIX = 16  # tokens below which a site's hc_post and the next one's hc_pre run as one call (one thread)
+
+
+def mixed_in(streams: np.ndarray, w: MixWeights, pending) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A site's input: (streams, hc_pre's normalised input [T, D], its weights [T, M]). `pending`: None, or the
+    previous site's (output [T, D], hc_pre weights), whose hc_post still has to make `streams`; below FUSED_MIX
+    tokens both run as one kernel call (hc_post_pre), above it as the two threaded ones."""
+    if pending is None:
+        return streams, *hc_pre_arrays(streams, w)
+    n = streams.shape[0]
+    if n >= FUSED_MIX:
+        streams = settled(streams, pending)
+        return streams, *hc_pre_arrays(streams, w)
+    block_out, before = pending
+    out = np.empty_like(streams)
+    x = np.empty((n, streams.shape[2]), dtype=np.float32)
+    weights = np.empty((n, w.fn.shape[0]), dtype=np.float32)
+    ck.hc_post_pre(
+        block_out, streams, before, out, w.fn, w.scale, w.base, w.hc_eps, w.sinkhorn_iters, w.norm_eps,
+        w.norm_weight, x, weights,
+    )  # fmt: skip
+    return out, x, weights
+
+
+def settled(streams: np.ndarray, pending) -> np.ndarray:
+    """The streams once the last site's hc_post (`pending`, see mixed_in) has run."""
+    block_out, weights = pending
+    return hc_post_arrays(block_out, streams, *post_comb(weights, streams.shape[1]))
+
+
 def compress_arrays(kv, gate, meta_arrays, kv_ring, gate_ring, rows, angles, write_first: bool, w: CompressorWeights):
     """One compressor step: kv, gate [T, width]; meta_arrays from CompressMeta.arrays(); the rings [slots * B,
     width]; rows [slots * max_rows, dim]; angles [NW, R/2, 2]."""
@@ -180,7 +215,6 @@ class Plan:
         self.w = w
         self.cache = cache  # (kept: plans are looked up by the cache's id)
         self.tensors, self.ptrs = tensors, data_ptrs(tensors)
-        self.hc = w.attn_mix.fn.shape[1] // w.attn_mix.norm_weight.shape[0]  # streams: fn is [M, hc * hidden]
         wo_a = w.attn.wo_a  # (an FP8 one is kept as it is: grouped_linear_arrays reads its rows by group)
         self.wo_a = wo_a if isinstance(wo_a, Fp8Weight) else wo_a.reshape(w.attn.o_groups, -1, wo_a.shape[1])
         a = w.attn  # (each linear's kernel calls, worked out once)
@@ -208,9 +242,10 @@ def run_blocks(embed: np.ndarray | None, plans: list[Plan], hc: int, step: Step,
         x = embedded(embed, step.ids)
         streams = np.empty((x.shape[0], hc, x.shape[1]), dtype=np.float32)
         streams[:] = x[:, None, :]
+    pending = None  # (each site's hc_post runs with the next one's hc_pre)
     for plan in plans:
-        streams = block_arrays(plan, streams, step)
-    return streams
+        streams, pending = block_arrays(plan, streams, step, pending)
+    return settled(streams, pending)
 
 
 def embedded(embed: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -222,7 +257,7 @@ def embedded(embed: np.ndarray, ids: np.ndarray) -> np.ndarray:
 def run_mtp(w, plan: Plan, embed: np.ndarray, streams: np.ndarray, step: Step, rows) -> tuple[np.ndarray, np.ndarray]:
     """The MTP layer over a step from the embedding of its tokens (w the MTPWeights views, plan its block's):
     (the shared head's input at `rows` (None: all) [T', hidden], the block's output streams [T, hc, hidden])."""
-    out = block_arrays(plan, mtp_inputs(w, streams, embedded(embed, step.ids)), step)
+    out = settled(*block_arrays(plan, mtp_inputs(w, streams, embedded(embed, step.ids)), step))
     return hc_pre_arrays(out if rows is None else out[rows], w.head)[0], out
 
 
@@ -234,13 +269,13 @@ def mtp_inputs(w, streams: np.ndarray, embedded: np.ndarray) -> np.ndarray:
     return ck.matmuls(h, (w.h_proj,))[0].reshape(n, hc, dim) + ck.matmuls(e, (w.e_proj,))[0][:, None, :]
 
 
-def block_arrays(p: Plan, s: np.ndarray, step: Step) -> np.ndarray:
-    hc = p.hc
+def block_arrays(p: Plan, s: np.ndarray, step: Step, pending=None):
+    """One block: (its streams before its last hc_post, that hc_post's pending inputs); `pending` the previous
+    block's (see mixed_in)."""
     for mix, sub in ((p.w.attn_mix, _attention), (p.w.ffn_mix, _moe)):
-        x, weights = hc_pre_arrays(s, mix)
-        out = sub(p, x, step)
-        s = hc_post_arrays(out, s, weights[:, hc : 2 * hc], weights[:, 2 * hc :].reshape(-1, hc, hc))
-    return s
+        s, x, weights = mixed_in(s, mix, pending)
+        pending = sub(p, x, step), weights
+    return s, pending
 
 
 def _attention(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:

@@ -25,7 +25,7 @@ from leanserve.model.cpu_kernels.base import (
     weight_np,
 )
 from leanserve.model.cpu_kernels.linear import grouped_linear
-from leanserve.model.cpu_kernels.mix import hc_post, hc_pre, norm_rope, rms_norm
+from leanserve.model.cpu_kernels.mix import hc_post, hc_post_pre, hc_pre, norm_rope, rms_norm
 from leanserve.model.cpu_kernels.moe import moe_tokens, moe_work
 from leanserve.model.cpu_kernels.quantized import (
     Matmuls,
@@ -39,7 +39,7 @@ MODULES = (base, mix, linear, simd, quantized, moe, attention)
 
 __all__ = [
     "EMPTY", "MODULES", "Matmuls", "Threaded", "_exp_jit", "_jit", "attend", "available", "compress", "dequantized",
-    "disabled", "grouped_linear", "grouped_linear_fp8", "hc_post", "hc_pre", "index_select", "limit_threads",
-    "matmuls", "moe_tokens", "moe_work", "norm_rope", "np_", "numba", "one_thread", "rms_norm",
+    "disabled", "grouped_linear", "grouped_linear_fp8", "hc_post", "hc_post_pre", "hc_pre", "index_select",
+    "limit_threads", "matmuls", "moe_tokens", "moe_work", "norm_rope", "np_", "numba", "one_thread", "rms_norm",
     "stored", "weight_np",
 ]  # fmt: skip

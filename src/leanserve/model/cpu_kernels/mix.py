@@ -115,47 +115,63 @@ def _mhc_lanes(m, scale, base, hc, hc_eps, iters):  # pragma: no cover - compile
 _mhc_lanes_jit = _jit(_mhc_lanes, fastmath=_EXACT)
 
 
+def _hc_pre_rows(streams, t0, lanes, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out):
+    # (compiled) hc_pre of tokens [t0, t0 + lanes) side by side (see _hc_pre)
+    hc, d = streams.shape[1], streams.shape[2]
+    width = fn.shape[0]
+    flat = streams.reshape(streams.shape[0], hc * d)
+    raw = np.empty((lanes, width), dtype=np.float32)
+    _linear_rows_jit(flat[t0 : t0 + lanes], fn, raw, lanes)
+    m = np.empty((width, lanes), dtype=np.float32)
+    for a in range(lanes):
+        t = t0 + a
+        s = np.float32(0.0)
+        for i in range(hc):
+            for k in range(d):
+                s += streams[t, i, k] * streams[t, i, k]
+        r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(hc * d) + np.float32(norm_eps)))
+        for j in range(width):
+            m[j, a] = raw[a, j] * r
+    _mhc_lanes_jit(m, scale, base, hc, hc_eps, iters)
+    for a in range(lanes):
+        t = t0 + a
+        for j in range(width):
+            weights_out[t, j] = m[j, a]
+        pre = m[0, a]
+        for k in range(d):
+            x_out[t, k] = pre * streams[t, 0, k]
+        for i in range(1, hc):
+            pre = m[i, a]
+            for k in range(d):
+                x_out[t, k] += pre * streams[t, i, k]
+        s = np.float32(0.0)
+        for k in range(d):
+            s += x_out[t, k] * x_out[t, k]
+        r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(d) + np.float32(norm_eps)))
+        for k in range(d):
+            x_out[t, k] = x_out[t, k] * r * norm_w[k]
+
+
+_hc_pre_rows_jit = _jit(_hc_pre_rows)
+
+
+def _lane_block(n):  # pragma: no cover - compiled: tokens per block of hc_pre (at least two blocks from 16 on)
+    return min(LANES, max(LANES // 4, (n + 1) // 2))
+
+
+_lane_block_jit = _jit(_lane_block)
+
+
 def _hc_pre(streams, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out):  # pragma: no cover
     # streams [T, hc, D]; fn [M, hc*D], M = (2+hc)*hc (or hc: hc_head, pre only): the mixes are
     # RMSNorm(flat streams) @ fn^T, computed as (flat streams @ fn^T) * the row's RMS scale (one number per row).
     # weights_out [T, M]: pre | post | comb (see _mhc_lanes); x_out [T, D]: RMSNorm_w(sum_i pre_i * streams_i).
-    n, hc, d = streams.shape
-    width = fn.shape[0]
-    flat = streams.reshape(n, hc * d)
-    size = min(LANES, max(LANES // 4, (n + 1) // 2))  # (at least two blocks from 2 * LANES // 4 tokens on)
+    n = streams.shape[0]
+    size = _lane_block_jit(n)
     for blk in prange((n + size - 1) // size):
         t0 = blk * size
         lanes = min(size, n - t0)
-        raw = np.empty((lanes, width), dtype=np.float32)
-        _linear_rows_jit(flat[t0 : t0 + lanes], fn, raw, lanes)
-        m = np.empty((width, lanes), dtype=np.float32)
-        for a in range(lanes):
-            t = t0 + a
-            s = np.float32(0.0)
-            for i in range(hc):
-                for k in range(d):
-                    s += streams[t, i, k] * streams[t, i, k]
-            r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(hc * d) + np.float32(norm_eps)))
-            for j in range(width):
-                m[j, a] = raw[a, j] * r
-        _mhc_lanes_jit(m, scale, base, hc, hc_eps, iters)
-        for a in range(lanes):
-            t = t0 + a
-            for j in range(width):
-                weights_out[t, j] = m[j, a]
-            pre = m[0, a]
-            for k in range(d):
-                x_out[t, k] = pre * streams[t, 0, k]
-            for i in range(1, hc):
-                pre = m[i, a]
-                for k in range(d):
-                    x_out[t, k] += pre * streams[t, i, k]
-            s = np.float32(0.0)
-            for k in range(d):
-                s += x_out[t, k] * x_out[t, k]
-            r = np.float32(1.0) / np.float32(math.sqrt(s / np.float32(d) + np.float32(norm_eps)))
-            for k in range(d):
-                x_out[t, k] = x_out[t, k] * r * norm_w[k]
+        _hc_pre_rows_jit(streams, t0, lanes, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out)
 
 
 hc_pre = Threaded(_hc_pre, min_work=LANES // 2)
@@ -176,6 +192,30 @@ def _hc_post(block_out, streams, post, comb, out):  # pragma: no cover - compile
 
 
 hc_post = Threaded(_hc_post, min_work=16)
+
+
+def _hc_post_pre(block_out, streams, before, out, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out,
+                 weights_out):  # fmt: skip  # pragma: no cover - compiled
+    # One site's hc_post into `out` (its post and comb weights read from `before`, that site's hc_pre weights
+    # [T, M]: pre | post | comb) and the next site's hc_pre of it (x_out, weights_out): what hc_post then hc_pre
+    # compute, in one call, on one thread (the decode path takes it for the few tokens where calls cost most).
+    n, hc, d = streams.shape
+    for t in range(n):
+        for j in range(hc):
+            p = before[t, hc + j]
+            for k in range(d):
+                out[t, j, k] = p * block_out[t, k]
+            for i in range(hc):
+                c = before[t, 2 * hc + i * hc + j]
+                for k in range(d):
+                    out[t, j, k] += c * streams[t, i, k]
+    size = _lane_block_jit(n)
+    for t0 in range(0, n, size):
+        lanes = min(size, n - t0)
+        _hc_pre_rows_jit(out, t0, lanes, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out)
+
+
+hc_post_pre = _jit(_hc_post_pre)
 
 
 # --- RoPE -------------------------------------------------------------------------------------------------
