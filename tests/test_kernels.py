@@ -656,3 +656,32 @@ def test_the_cpu_backend_keeps_freed_activation_memory_for_reuse():
     a = np.ones(size // 4, dtype=np.float32)
     del a
     assert faults() - before < 16  # (fresh 4 KiB pages fault by the hundreds: 502 here without the setting)
+
+
+def test_decode_plans_follow_a_replaced_weight():
+    # A decode plan keeps numpy views of its block's weights, made once; when a weight's storage is replaced
+    # (`.data =`, as a conversion or a reload by assignment does), the next decode step reads the new values, as the
+    # torch backend does, instead of the old storage the views still hold.
+    from leanserve import LLM, SamplingParams
+
+    llm = LLM("models/dsv4-stdlib-8m", dtype="float32", max_model_len=64, load_progress=False)
+    model = llm.engine.executor.runner.model
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(3, 13))}]
+
+    def logprobs():
+        (out,) = llm.generate(prompt, params)
+        return [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids, strict=True)]
+
+    before = logprobs()  # (the decode steps build the plans)
+    for block in model.layers.values():
+        weight = block.attn.wo_b.weight
+        weight.data = weight.data * 1.5  # (new storage)
+    after = logprobs()
+    set_backend(model, TorchBackend())
+    try:
+        reference = logprobs()
+    finally:
+        set_backend(model, _cpu())
+    assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-3  # the change shows
+    assert max(abs(a - b) for a, b in zip(after, reference, strict=True)) < 1e-4
