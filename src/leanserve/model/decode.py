@@ -76,7 +76,9 @@ def post_comb(weights: np.ndarray, hc: int) -> tuple[np.ndarray, np.ndarray]:
     return weights[:, hc : 2 * hc], weights[:, 2 * hc :].reshape(-1, hc, hc)
 
 
-FUSED_MIX = 16  # tokens below which a site's hc_post and the next one's hc_pre run as one call (one thread)
+# Tokens below which a site's hc_post and the next one's hc_pre run as one call on one thread: from there on the
+# two kernels take their threaded builds.
+FUSED_MIX = ck.hc_pre.min_work
 
 
 def mixed_in(streams: np.ndarray, w: MixWeights, pending) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
