@@ -209,7 +209,7 @@ class CpuBackend(TorchBackend):
 
     def hc_post(self, block_out, streams, post, comb):
         if _activations(block_out, streams, strided=(post, comb)):
-            out = decode.hc_post_arrays(block_out.numpy(), streams.numpy(), post.numpy(), comb.numpy())
+            out = decode.hc_post_arrays(block_out.numpy(), streams.numpy(), post.numpy(), comb.flatten(1).numpy())
             return torch.from_numpy(out)
         return super().hc_post(block_out, streams, post, comb)
 

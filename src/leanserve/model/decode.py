@@ -65,15 +65,15 @@ def hc_pre_arrays(streams: np.ndarray, w: MixWeights) -> tuple[np.ndarray, np.nd
 
 
 def hc_post_arrays(block_out, streams, post, comb) -> np.ndarray:
-    """The new streams [T, hc, D]."""
+    """The new streams [T, hc, D]; post [T, hc], comb [T, hc * hc] (row-major)."""
     out = np.empty_like(streams)
     ck.hc_post(streams.shape[0], block_out, streams, post, comb, out)
     return out
 
 
 def post_comb(weights: np.ndarray, hc: int) -> tuple[np.ndarray, np.ndarray]:
-    """hc_post's post [T, hc] and comb [T, hc, hc] weights: views of hc_pre's weights [T, M] (pre | post | comb)."""
-    return weights[:, hc : 2 * hc], weights[:, 2 * hc :].reshape(-1, hc, hc)
+    """hc_post's post [T, hc] and comb [T, hc * hc] weights: views of hc_pre's weights [T, M] (pre | post | comb)."""
+    return weights[:, hc : 2 * hc], weights[:, 2 * hc :]
 
 
 # Tokens below which a site's hc_post and the next one's hc_pre run as one call on one thread: from there on the

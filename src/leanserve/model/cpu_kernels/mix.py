@@ -177,18 +177,26 @@ def _hc_pre(streams, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, we
 hc_pre = Threaded(_hc_pre, min_work=LANES // 2)
 
 
-def _hc_post(block_out, streams, post, comb, out):  # pragma: no cover - compiled
-    # out[t, j] = post[t, j] * block_out[t] + sum_i comb[t, i, j] * streams[t, i]
-    n, hc, d = streams.shape
-    for t in prange(n):
-        for j in range(hc):
-            p = post[t, j]
+def _post_mix(block_out, streams, post, comb, out, t):  # pragma: no cover - compiled
+    # out[t, j] = post[t, j] * block_out[t] + sum_i comb[t, i * hc + j] * streams[t, i] (comb [T, hc * hc], row-major)
+    hc, d = streams.shape[1], streams.shape[2]
+    for j in range(hc):
+        p = post[t, j]
+        for k in range(d):
+            out[t, j, k] = p * block_out[t, k]
+        for i in range(hc):
+            c = comb[t, i * hc + j]
             for k in range(d):
-                out[t, j, k] = p * block_out[t, k]
-            for i in range(hc):
-                c = comb[t, i, j]
-                for k in range(d):
-                    out[t, j, k] += c * streams[t, i, k]
+                out[t, j, k] += c * streams[t, i, k]
+
+
+_post_mix_jit = _jit(_post_mix)
+
+
+def _hc_post(block_out, streams, post, comb, out):  # pragma: no cover - compiled
+    # every token's _post_mix: the new streams out [T, hc, D]
+    for t in prange(streams.shape[0]):
+        _post_mix_jit(block_out, streams, post, comb, out, t)
 
 
 hc_post = Threaded(_hc_post, min_work=16)
@@ -199,16 +207,10 @@ def _hc_post_pre(block_out, streams, before, out, fn, scale, base, hc_eps, iters
     # One site's hc_post into `out` (its post and comb weights read from `before`, that site's hc_pre weights
     # [T, M]: pre | post | comb) and the next site's hc_pre of it (x_out, weights_out): what hc_post then hc_pre
     # compute, in one call, on one thread (the decode path takes it for the few tokens where calls cost most).
-    n, hc, d = streams.shape
+    n, hc = streams.shape[0], streams.shape[1]
+    post, comb = before[:, hc : 2 * hc], before[:, 2 * hc :]
     for t in range(n):
-        for j in range(hc):
-            p = before[t, hc + j]
-            for k in range(d):
-                out[t, j, k] = p * block_out[t, k]
-            for i in range(hc):
-                c = before[t, 2 * hc + i * hc + j]
-                for k in range(d):
-                    out[t, j, k] += c * streams[t, i, k]
+        _post_mix_jit(block_out, streams, post, comb, out, t)
     size = _lane_block_jit(n)
     for t0 in range(0, n, size):
         lanes = min(size, n - t0)
