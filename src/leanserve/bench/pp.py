@@ -9,6 +9,11 @@ process's threads set to what the arm's stage 0 runs with. A round submits `conc
 computing in a round over the round's wall time (stage 0's includes none of its scheduling): with N stages
 one step at a time they add up to at most 1; overlap is what lets each approach 1. The greedy tokens of
 every arm are compared with one stage's as a check that the work is the same.
+
+What overlap could give at best (`overlap_bound`): its round is at least as long as its busiest stage's compute,
+so overlap/serial is at most the serial round's wall time over that compute (both medians). Splitting the
+requests into micro-batches makes each stage read its weights once per micro-batch instead of once per step,
+so a stage computes longer with overlap than one step at a time for the same tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class PPRow:
     overlap_tok_s: float  # N stages, N micro-batches in flight
     overlap_vs_pp1: float
     overlap_vs_serial: float
+    overlap_bound: float  # overlap/serial if the busiest stage with overlap computed all the time
     serial_busy: str  # each stage's busy fraction, first to last
     overlap_busy: str
     same_tokens: bool
@@ -41,6 +47,7 @@ PP_HEADERS = {
     "overlap_tok_s": "PP=N overlap tok/s",
     "overlap_vs_pp1": "overlap/PP=1",
     "overlap_vs_serial": "overlap/serial",
+    "overlap_bound": "overlap/serial bound",
     "serial_busy": "serial busy",
     "overlap_busy": "overlap busy",
     "same_tokens": "same tokens",
@@ -82,8 +89,8 @@ def pp_bench(
             threads_of("pp1")
             engines[arm] = LLM(model, **common, **kwargs)
         prompts = [{"prompt_token_ids": p} for p in _prompts(engines["pp1"], most, prompt_len)]
-        # results[arm][concurrency] = (median tok/s, busy fractions of the median round, token ids)
-        results: dict[str, dict[int, tuple[float, list[float], list]]] = {arm: {} for arm in ARMS}
+        # results[arm][concurrency] = the median round: (tok/s, wall seconds, each stage's busy seconds, token ids)
+        results: dict[str, dict[int, tuple[float, float, list[float], list]]] = {arm: {} for arm in ARMS}
         for c in concurrency:
             rounds: dict[str, list] = {arm: [] for arm in ARMS}
             for arm in ARMS:  # warm-up at this batch shape
@@ -102,11 +109,13 @@ def pp_bench(
         threads_of("pp1")
     rows = []
     for c in concurrency:
-        (one, _, want), (ser, ser_busy, a), (ovl, ovl_busy, b) = (results[arm][c] for arm in ARMS)
+        (one, _, _, want), (ser, ser_wall, ser_busy, a), (ovl, ovl_wall, ovl_busy, b) = (
+            results[arm][c] for arm in ARMS
+        )
         rows.append(
             PPRow(
-                c, one, ser, ovl, ovl / one, ovl / ser,
-                _fractions(ser_busy), _fractions(ovl_busy), a == want and b == want,
+                c, one, ser, ovl, ovl / one, ovl / ser, ser_wall / max(ovl_busy),
+                _fractions(ser_busy, ser_wall), _fractions(ovl_busy, ovl_wall), a == want and b == want,
             )
         )  # fmt: skip
     return rows
@@ -119,16 +128,17 @@ def _prompts(llm, count: int, length: int) -> list[list[int]]:
     return random_prompts(count, length, llm.engine.model_config.vocab_size, seed=0).tolist()
 
 
-def _round(llm, prompts: list[dict], params) -> tuple[float, list[float], list]:
+def _round(llm, prompts: list[dict], params) -> tuple[float, float, list[float], list]:
+    """(output tokens/s, wall seconds, each stage's busy seconds, the token ids) of one round."""
     executor = llm.engine.executor
     before = executor.stage_busy_s()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - start
-    busy = [(b - a) / wall for a, b in zip(before, executor.stage_busy_s(), strict=True)]
+    busy = [b - a for a, b in zip(before, executor.stage_busy_s(), strict=True)]
     tokens = [o.outputs[0].token_ids for o in outs]
-    return sum(len(t) for t in tokens) / wall, busy, tokens
+    return sum(len(t) for t in tokens) / wall, wall, busy, tokens
 
 
-def _fractions(busy: list[float]) -> str:
-    return "/".join(f"{b:.2f}" for b in busy)
+def _fractions(busy: list[float], wall: float) -> str:
+    return "/".join(f"{b / wall:.2f}" for b in busy)
