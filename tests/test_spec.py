@@ -402,6 +402,12 @@ def test_bench_spec_cost_reports_a_step_and_its_ceiling(capsys, make_ckpt):
         assert r["plain_ms"] > 0 and r["verify"] > 0 and r["propose_accepted"] > 0 and r["propose_rejected"] > 0
         assert r["step_all_accepted"] == pytest.approx(r["verify"] + r["propose_accepted"], abs=0.011)
         assert r["ceiling"] == pytest.approx(2 / r["step_all_accepted"], abs=0.011)
+        step2 = r["verify2"] + r["propose2"]
+        assert r["ceiling2"] == pytest.approx(3 / step2, abs=0.02)
+        # The acceptance each needs for 1.5x: k = 1 yields 1 + a tokens a step, k = 2 1 + a + a^2.
+        assert 1 + r["need_k1"] == pytest.approx(1.5 * r["step_all_accepted"], abs=0.02)
+        a = r["need_k2"]
+        assert 1 + a + a * a == pytest.approx(1.5 * step2, abs=0.05)
 
     no_mtp = make_ckpt("spec-cost-no-mtp", num_nextn_predict_layers=0)
     assert main(["--log-level", "warning", "bench", "spec-cost", "--model", str(no_mtp)]) == 2

@@ -62,8 +62,10 @@ def median_timer(device: torch.device):
     return median_s
 
 
-def mtp_runner(model: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, dtype: str = "auto"):
-    """A one-stage runner of `model` with the MTP drafter (k = 1), for timing its parts directly."""
+def mtp_runner(
+    model: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, dtype: str = "auto", k: int = 1
+):
+    """A one-stage runner of `model` with the MTP drafter (`k` drafts), for timing its parts directly."""
     from leanserve.config import EngineConfig, ModelConfig
     from leanserve.engine.llm_engine import check_speculative, resolve_dtype
     from leanserve.engine.runner import StageRunner
@@ -72,7 +74,7 @@ def mtp_runner(model: str, max_num_seqs: int, max_model_len: int, max_num_batche
     cfg = ModelConfig.from_hf(model)
     config = EngineConfig(
         model, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+        speculative_config={"method": "mtp", "num_speculative_tokens": k},
     )  # fmt: skip
     check_speculative(config.speculative_config, cfg, model)
     return StageRunner(

@@ -1,12 +1,16 @@
-"""`leanserve bench spec-cost`: what the parts of a one-token MTP speculative step cost, in plain decode
-steps, on the same caches, and the speed-up ceiling that bounds MTP k = 1."""
+"""`leanserve bench spec-cost`: what the parts of an MTP speculative step (one draft, and two) cost, in plain
+decode steps, on the same caches; the speed-up ceilings that bound MTP k = 1 and k = 2, and the acceptance each
+needs for 1.5x."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
 from leanserve.bench.common import mtp_runner, prefill, random_prompts, timed
+
+TARGET = 1.5  # the speed-up the acceptance columns are for
 
 
 @dataclass
@@ -18,6 +22,16 @@ class SpecCostRow:
     propose_accepted: float  # ... after an accepted draft (over two positions), x plain
     step_all_accepted: float  # verify + propose_accepted: a speculative step when every draft is accepted
     ceiling: float  # 2 / step_all_accepted: the speed-up of k = 1 if every draft were accepted
+    # Two drafts: the trunk over three tokens per sequence, and the MTP layer's two drafts after both were
+    # accepted (over three positions, then one more), x plain; 3 / their sum bounds k = 2.
+    verify2: float
+    propose2: float
+    ceiling2: float
+    # The acceptance of each draft a step needs for TARGET x at the all-accepted cost (a proposal after a
+    # rejection costs about the same): k = 1 yields 1 + a tokens a step, k = 2 about 1 + a + a^2. Above 1:
+    # out of reach at any acceptance.
+    need_k1: float
+    need_k2: float
 
 
 SPEC_COST_HEADERS = {
@@ -28,23 +42,37 @@ SPEC_COST_HEADERS = {
     "propose_accepted": "MTP after accept",
     "step_all_accepted": "k=1 step, all accepted",
     "ceiling": "k=1 ceiling",
+    "verify2": "verify 2 drafts",
+    "propose2": "MTP 2 drafts",
+    "ceiling2": "k=2 ceiling",
+    "need_k1": f"k=1 acceptance for {TARGET}x",
+    "need_k2": f"k=2 acceptance for {TARGET}x",
 }
+
+
+def needed_acceptance(step_cost: float, drafts: int, target: float = TARGET) -> float:
+    """The acceptance a of each draft for which a step of `step_cost` plain steps, yielding 1 + a + ... + a^drafts
+    tokens, runs `target` times as fast as plain decoding (1 and 2 drafts)."""
+    tokens = target * step_cost
+    if drafts == 1:
+        return tokens - 1
+    return (-1 + math.sqrt(max(0.0, 4 * tokens - 3))) / 2  # a^2 + a + 1 = tokens
 
 
 def spec_cost_bench(
     model: str, batch_sizes: list[int], repeats: int = 50, prompt_len: int = 32, dtype: str = "float32"
 ) -> list[SpecCostRow]:
-    """Times the parts of a one-token MTP speculative step against a plain decode step on the same caches,
-    interleaved at the same positions (each arm rewrites the last one's: a rollback), medians over `repeats`.
-    A step yields at most 2 tokens, so 2 / (its cost in plain steps) bounds MTP k = 1's speed-up. The tokens are
-    varied (seeded), as in text: a token and its draft route to different experts, which is what verifying costs."""
+    """Times the parts of MTP speculative steps against a plain decode step on the same caches, interleaved at the
+    same positions (each arm rewrites the last one's: a rollback), medians over `repeats`. A step with k drafts
+    yields at most k + 1 tokens, so (k + 1) / (its cost in plain steps) bounds MTP k's speed-up. The tokens are
+    varied (seeded), as in text: a token and its drafts route to different experts, which is what verifying costs."""
     from leanserve.engine.proposers import ProposeItem
     from leanserve.engine.runner import SampleSpec, StepPlan
     from leanserve.model.batch import Chunk
     from leanserve.sampling_params import SamplingParams
 
     most = max(batch_sizes)
-    runner = mtp_runner(model, most, prompt_len + repeats + 8, max(2048, most * prompt_len), dtype)
+    runner = mtp_runner(model, most, prompt_len + repeats + 8, max(2048, most * prompt_len), dtype, k=2)
     greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20)
     rows = []
     ids = random_prompts(most, repeats + 8, runner.cfg.vocab_size, 0).tolist()  # ids[slot][round + i]
@@ -52,37 +80,43 @@ def spec_cost_bench(
         prefill(runner, batch, prompt_len, tuple(ids[s][0] for s in range(batch)))
 
         def trunk(position: int, drafts: int, batch: int = batch) -> float:
-            # The trunk alone (the proposal is timed apart); the verify arm keeps its streams for the proposals.
+            # The trunk alone (the proposal is timed apart); the verify arms keep their streams for the proposals.
             r = position - prompt_len
             chunks = tuple(Chunk(s, position, tuple(ids[s][r : r + 1 + drafts])) for s in range(batch))
             samples = tuple(SampleSpec(s, greedy, 0, 0, s, tuple(ids[s][r + 1 : r + 1 + drafts])) for s in range(batch))
             plan = StepPlan(chunks, tuple(range(batch * (1 + drafts))), samples, (-1,) * batch)
             return timed(runner.execute, plan, propose=False, capture_hidden=bool(drafts))[0]
 
-        def propose(position: int, accepted: bool, batch: int = batch) -> float:
-            # After a verify step at `position`: catch up over 1 (rejected) or 2 (accepted) positions, then draft.
+        def propose(position: int, fed: int, accepted: int, drafts: int, batch: int = batch) -> float:
+            # After a verify step of `fed` tokens a sequence at `position`, `accepted` drafts of it accepted: catch
+            # up over the committed positions, then draft `drafts` tokens.
             r = position - prompt_len
+            known = 2 + accepted  # the fed tokens now committed, and the one the step sampled
             items = [
-                ProposeItem(s, position, tuple(ids[s][r : r + (3 if accepted else 2)]), 2 * s, s, greedy, 1, 1)
+                ProposeItem(s, position, tuple(ids[s][r : r + known]), fed * s, s, greedy, 1, drafts)
                 for s in range(batch)
             ]
             return timed(runner.proposer.propose, items, dict.fromkeys(range(batch), 0))[0]
 
-        times: dict[str, list[float]] = {"plain": [], "verify": [], "rejected": [], "accepted": []}
+        times: dict[str, list[float]] = {k: [] for k in ("plain", "verify", "rejected", "accepted", "verify2", "two")}
         for r in range(repeats + 2):
             position = prompt_len + r
             for name, drafts in (("plain", 0), ("verify", 1)) if r % 2 else (("verify", 1), ("plain", 0)):
                 times[name].append(trunk(position, drafts))
             # the proposals read the verify step's streams (any order of the two)
             for name in ("rejected", "accepted") if r % 2 else ("accepted", "rejected"):
-                times[name].append(propose(position, name == "accepted"))
+                times[name].append(propose(position, 2, int(name == "accepted"), 1))
+            times["verify2"].append(trunk(position, 2))
+            times["two"].append(propose(position, 3, 2, 2))
         med = {k: statistics.median(v[2:]) for k, v in times.items()}  # (the first two rounds warm up)
-        plain = med["plain"]
-        step = (med["verify"] + med["accepted"]) / plain
+        plain = med.pop("plain")
+        x = {k: v / plain for k, v in med.items()}  # in plain steps
+        step, step2 = x["verify"] + x["accepted"], x["verify2"] + x["two"]
         rows.append(
             SpecCostRow(
-                batch, round(plain * 1e3, 3), round(med["verify"] / plain, 2), round(med["rejected"] / plain, 2),
-                round(med["accepted"] / plain, 2), round(step, 2), round(2 / step, 2),
+                batch, round(plain * 1e3, 3), round(x["verify"], 2), round(x["rejected"], 2), round(x["accepted"], 2),
+                round(step, 2), round(2 / step, 2), round(x["verify2"], 2), round(x["two"], 2), round(3 / step2, 2),
+                round(needed_acceptance(step, 1), 2), round(needed_acceptance(step2, 2), 2),
             )
         )  # fmt: skip
     return rows
