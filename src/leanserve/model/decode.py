@@ -58,10 +58,15 @@ def rope_arrays(x: np.ndarray, angles: np.ndarray, eps: float, normalize: bool, 
 def hc_pre_arrays(streams: np.ndarray, w: MixWeights) -> tuple[np.ndarray, np.ndarray]:
     """hc_pre (or hc_head, sinkhorn_iters 0): (normalised block input [T, D], pre | post | comb weights [T, M])."""
     n = streams.shape[0]
-    x = np.empty((n, streams.shape[2]), dtype=np.float32)
-    weights = np.empty((n, w.fn.shape[0]), dtype=np.float32)
+    x, weights = _pre_outputs(streams, w)
     ck.hc_pre(n, streams, w.fn, w.scale, w.base, w.hc_eps, w.sinkhorn_iters, w.norm_eps, w.norm_weight, x, weights)
     return x, weights
+
+
+def _pre_outputs(streams: np.ndarray, w: MixWeights) -> tuple[np.ndarray, np.ndarray]:
+    """hc_pre's outputs for `streams` [T, hc, D]: the normalised block input [T, D] and its weights [T, M]."""
+    n = streams.shape[0]
+    return np.empty((n, streams.shape[2]), dtype=np.float32), np.empty((n, w.fn.shape[0]), dtype=np.float32)
 
 
 def hc_post_arrays(block_out, streams, post, comb) -> np.ndarray:
@@ -93,8 +98,7 @@ def mixed_in(streams: np.ndarray, w: MixWeights, pending) -> tuple[np.ndarray, n
         return streams, *hc_pre_arrays(streams, w)
     block_out, before = pending
     out = np.empty_like(streams)
-    x = np.empty((n, streams.shape[2]), dtype=np.float32)
-    weights = np.empty((n, w.fn.shape[0]), dtype=np.float32)
+    x, weights = _pre_outputs(streams, w)
     ck.hc_post_pre(
         block_out, streams, before, out, w.fn, w.scale, w.base, w.hc_eps, w.sinkhorn_iters, w.norm_eps,
         w.norm_weight, x, weights,
