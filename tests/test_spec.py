@@ -393,6 +393,24 @@ def test_bench_spec_runs_every_method_side_by_side(capsys):
             assert r["step_cost"] == pytest.approx(r["mean_acceptance_length"] / r["speedup"], rel=0.05)
 
 
+def test_a_token_and_its_drafts_read_more_of_the_routed_experts_and_once_the_rest():
+    # What bench spec-cost's bytes ceilings rest on: 3 tokens of the tiny preset (top 2 of 8 experts) read the
+    # experts some token picks, 1 - (3/4)^3 of them, not 3 x 2/8; three embedding rows; every other tensor once.
+    from leanserve.engine.costs import token_read_bytes
+    from leanserve.make_random import preset_config
+
+    cfg = preset_config("tiny", num_nextn_predict_layers=1)
+    one, three = token_read_bytes(cfg, with_mtp=True), token_read_bytes(cfg, 3, with_mtp=True)
+    assert one.keys() == three.keys() and any(n.startswith("mtp.") and ".experts." in n for n in one)
+    for name, nbytes in one.items():
+        if ".experts." in name:
+            assert three[name] == pytest.approx(nbytes * 4 * (1 - 0.75**3))
+        elif name == "embed.weight" or name.endswith("tid2eid"):
+            assert three[name] == 3 * nbytes
+        else:
+            assert three[name] == nbytes
+
+
 def test_bench_spec_cost_reports_a_step_and_its_ceiling(capsys, make_ckpt):
     args = ["--log-level", "warning", "bench", "spec-cost", "--model", str(SHIPPED), "--batch-sizes", "1,2"]
     assert main([*args, "--repeats", "4", "--output", "json"]) == 0
@@ -408,6 +426,8 @@ def test_bench_spec_cost_reports_a_step_and_its_ceiling(capsys, make_ckpt):
         assert 1 + r["need_k1"] == pytest.approx(1.5 * r["step_all_accepted"], abs=0.02)
         a = r["need_k2"]
         assert 1 + a + a * a == pytest.approx(1.5 * step2, abs=0.05)
+        # At memory speed the drafts' extra experts and the MTP layer's reads still cost something.
+        assert 1 < r["bytes_ceiling"] < 2 and 1 < r["bytes_ceiling2"] < 3
 
     no_mtp = make_ckpt("spec-cost-no-mtp", num_nextn_predict_layers=0)
     assert main(["--log-level", "warning", "bench", "spec-cost", "--model", str(no_mtp)]) == 2

@@ -1,6 +1,6 @@
 """`leanserve bench spec-cost`: what the parts of an MTP speculative step (one draft, and two) cost, in plain
 decode steps, on the same caches; the speed-up ceilings that bound MTP k = 1 and k = 2, and the acceptance each
-needs for 1.5x."""
+needs for 1.5x; and the two ceilings an engine bound by memory would have (`byte_ceilings`)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ class SpecCostRow:
     # out of reach at any acceptance.
     need_k1: float
     need_k2: float
+    # The two ceilings if every part of a step cost the weight bytes it reads (byte_ceilings): what an engine
+    # bound by memory could reach at best with this model and batch, whatever its kernels.
+    bytes_ceiling: float
+    bytes_ceiling2: float
 
 
 SPEC_COST_HEADERS = {
@@ -47,6 +51,8 @@ SPEC_COST_HEADERS = {
     "ceiling2": "k=2 ceiling",
     "need_k1": f"k=1 acceptance for {TARGET}x",
     "need_k2": f"k=2 acceptance for {TARGET}x",
+    "bytes_ceiling": "k=1 ceiling, bytes",
+    "bytes_ceiling2": "k=2 ceiling, bytes",
 }
 
 
@@ -57,6 +63,26 @@ def needed_acceptance(step_cost: float, drafts: int, target: float = TARGET) -> 
     if drafts == 1:
         return tokens - 1
     return (-1 + math.sqrt(max(0.0, 4 * tokens - 3))) / 2  # a^2 + a + 1 = tokens
+
+
+def byte_ceilings(cfg, batch: int) -> tuple[float, float]:
+    """The k = 1 and k = 2 ceilings of `batch` sequences if each part of a step cost the weight bytes it reads
+    (engine/costs.py, as the checkpoint stores them): the trunk over 1 + k tokens a sequence (more of each layer's
+    routed experts), then the MTP layer over the positions it catches up on and once per further draft, each time
+    with the whole shared head."""
+    from leanserve.engine.costs import token_read_bytes
+
+    def trunk(tokens: int) -> float:
+        return sum(token_read_bytes(cfg, tokens).values())
+
+    def mtp(tokens: int) -> float:
+        read = token_read_bytes(cfg, tokens, with_mtp=True)
+        return sum(b for n, b in read.items() if n.startswith("mtp.")) + read["head.weight"] + read["embed.weight"]
+
+    plain = trunk(batch)
+    k1 = (trunk(2 * batch) + mtp(2 * batch)) / plain
+    k2 = (trunk(3 * batch) + mtp(3 * batch) + mtp(batch)) / plain
+    return 2 / k1, 3 / k2
 
 
 def spec_cost_bench(
@@ -117,6 +143,7 @@ def spec_cost_bench(
                 batch, round(plain * 1e3, 3), round(x["verify"], 2), round(x["rejected"], 2), round(x["accepted"], 2),
                 round(step, 2), round(2 / step, 2), round(x["verify2"], 2), round(x["two"], 2), round(3 / step2, 2),
                 round(needed_acceptance(step, 1), 2), round(needed_acceptance(step2, 2), 2),
+                *[round(c, 2) for c in byte_ceilings(runner.cfg, batch)],
             )
         )  # fmt: skip
     return rows

@@ -16,23 +16,27 @@ import torch
 from leanserve.config import ModelConfig
 
 
-def token_read_bytes(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter / buffer name -> the bytes one decode token reads of it, from the model's tensors built on the
-    meta device (every layer, no MTP layer)."""
+def token_read_bytes(cfg: ModelConfig, tokens: int = 1, with_mtp: bool = False) -> dict[str, float]:
+    """Parameter / buffer name -> the bytes a decode step of `tokens` tokens reads of it, from the model's tensors
+    built on the meta device (every layer; the MTP layer's `mtp.0.*` too with `with_mtp`). One token reads k / E
+    of a layer's routed experts; `tokens` tokens (a token and its drafts, or a batch) the share of them that some
+    token picks, 1 - (1 - k / E)^tokens, as if each token picked its k uniformly (what router balancing aims at);
+    an embedding row (and a hash-routing row) per token; every other tensor once."""
     from leanserve.model.deepseek_v4 import DeepseekV4, StageLayout
     from leanserve.quantize import _float_dtype
 
     layout = StageLayout(first_layer=0, end_layer=cfg.num_hidden_layers, is_first=True, is_last=True, index=0)
     with torch.device("meta"):
-        model = DeepseekV4(cfg, 1, layout, with_mtp=False)
+        model = DeepseekV4(cfg, 1, layout, with_mtp=with_mtp)
+    k, experts = cfg.num_experts_per_tok, cfg.n_routed_experts
     out = {}
     for name, t in model.state_dict().items():
         size = t.element_size() if t.element_size() == 1 or not t.is_floating_point() else _float_dtype(name).itemsize
         nbytes = t.numel() * size
         if ".experts." in name:
-            nbytes = nbytes * cfg.num_experts_per_tok // cfg.n_routed_experts
+            nbytes = nbytes * k // experts if tokens == 1 else nbytes * (1 - (1 - k / experts) ** tokens)
         elif name == "embed.weight" or name.endswith("tid2eid"):  # one row per token
-            nbytes //= t.shape[0]
+            nbytes = nbytes // t.shape[0] * tokens
         out[name] = nbytes
     return out
 
