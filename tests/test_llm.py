@@ -526,3 +526,20 @@ def test_text_prompt_errors(tok_llm):
     assert_idle(tok_llm)
     (out,) = tok_llm.generate("the fox", SamplingParams(temperature=0, max_tokens=2))
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_an_engine_starts_without_torchs_compiler_stack(tiny_ckpt):
+    # Building a model on the meta device must not run torch's Python references (a meta arange, empty_like of a
+    # meta tensor): their first call imports torch._dynamo and sympy, seconds of every process's start-up (each
+    # pipeline stage, the server, every CLI command).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from leanserve import LLM, SamplingParams; "
+        f"llm = LLM({str(tiny_ckpt)!r}, load_progress=False); "
+        "llm.generate({'prompt_token_ids': [5, 6, 7]}, SamplingParams(max_tokens=2)); "
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

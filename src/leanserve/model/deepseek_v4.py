@@ -207,7 +207,9 @@ def build_model(
         from leanserve.model.loader import check_checkpoint  # (the loader imports this module)
 
         check_checkpoint(model, checkpoint)
-    model.to_empty(device=device)
+    # (as to_empty, but torch.empty: empty_like of a meta tensor runs torch's Python reference, whose first call
+    # imports sympy, half a second of every process's start-up)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     set_backend(model, ops)
     model.act_dtype = ops.activation_dtype(dtype)
     for m in model.modules():

@@ -97,7 +97,14 @@ class Rotary(nn.Module):
     def __init__(self, rope: RopeConfig, rope_dim: int, max_positions: int) -> None:
         super().__init__()
         self.rope, self.rope_dim, self.max_positions = rope, rope_dim, max_positions
-        self.register_buffer("freqs", self._freqs(), persistent=False)
+        # On the meta device (build_model) the table is only allocated, and reset_tables computes it on the real
+        # device: a meta arange runs torch's Python reference, whose first call imports torch._dynamo (about 3 s
+        # of every process's start-up).
+        if torch.empty(0).is_meta:
+            freqs = torch.empty(max_positions, rope_dim // 2, dtype=torch.complex64)
+        else:
+            freqs = self._freqs()
+        self.register_buffer("freqs", freqs, persistent=False)
 
     def _freqs(self) -> torch.Tensor:
         inv_freq = rope_inv_freq(self.rope, self.rope_dim)
