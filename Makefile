@@ -29,8 +29,10 @@ random-tiny: build/random-tiny/model.safetensors
 build/random-tiny/model.safetensors: | $(STAMP)
 	$(VENV)/bin/leanserve make-random build/random-tiny --preset tiny --seed 0 --force
 
+# The kernels compiled first, for every weight format in parallel processes (the tests then load them).
 test: install
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/leanserve prebuild
 	$(VENV)/bin/pytest
 
 lint: install

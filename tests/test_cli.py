@@ -218,3 +218,17 @@ def test_bench_throughput_compares_both_engines(tmp_path, capsys):
         if r["dtype"] == "float32":
             assert r["identical_sequences"] == r["batch_size"]
         assert 0 <= r["identical_sequences"] <= r["batch_size"]
+
+
+def test_prebuild_compiles_every_format_in_parallel_and_names_a_failure(capsys, monkeypatch):
+    # (the kernels are in the cache already when make test runs this: each process loads them)
+    assert main(["prebuild", "--jobs", "2"]) == 0
+    assert "the CPU kernels for float32, fp8, bfloat16, fp4 weights are compiled" in capsys.readouterr().out
+    assert main(["prebuild", "--jobs", "0"]) == 2
+    assert "--jobs must be at least 1" in capsys.readouterr().err
+    import leanserve.prebuild
+
+    monkeypatch.setattr(leanserve.prebuild, "GROUPS", (("float64",),))
+    assert main(["prebuild"]) == 1
+    err = capsys.readouterr().err
+    assert "compiling the kernels for float64 weights failed" in err and "expert" in err

@@ -136,6 +136,11 @@ def _add_make_random(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-shard-size", default=None, help="shard the published weights, e.g. 500MB")
 
 
+def _add_prebuild(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prebuild", help="compile the CPU kernels for every weight format once, in parallel processes")
+    p.add_argument("--jobs", type=int, default=None, help="processes at a time (default: one per core, at most 2)")
+
+
 def _add_quantize(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="write a bf16 / float32 checkpoint in the published FP8 / FP4 format")
     p.add_argument("src", help="the source checkpoint directory")
@@ -423,6 +428,25 @@ def _make_random(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prebuild(args: argparse.Namespace) -> int:
+    from leanserve.model.cpu_kernels import available
+    from leanserve.prebuild import GROUPS, prebuild
+
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {args.jobs}.")
+    if not available():
+        print("numba is not installed: there are no CPU kernels to compile (the torch path runs)")
+        return 0
+    try:
+        seconds = prebuild(args.jobs)
+    except RuntimeError as e:
+        print(f"leanserve: error: {e}", file=sys.stderr)
+        return 1
+    formats = ", ".join(f for group in GROUPS for f in group)
+    print(f"the CPU kernels for {formats} weights are compiled ({seconds:.0f} s); later processes load them")
+    return 0
+
+
 def _quantize(args: argparse.Namespace) -> int:
     from leanserve.quantize import quantize_checkpoint
 
@@ -442,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_memory(sub)
     _add_make_random(sub)
     _add_quantize(sub)
+    _add_prebuild(sub)
     _add_bench(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(format="leanserve: %(message)s", level=args.log_level.upper())
@@ -451,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory": _memory,
         "make-random": _make_random,
         "quantize": _quantize,
+        "prebuild": _prebuild,
         "bench": _bench,
     }
     try:

@@ -1,0 +1,62 @@
+"""`leanserve prebuild`: the CPU kernels compiled into numba's on-disk cache (beside their sources) for every weight
+format, in several processes at once, so that later processes load them instead of compiling them one after the
+other (on a 2-core machine the first engine of a checkout otherwise spends about two minutes compiling).
+
+Each process starts engines, with MTP speculation, on small random checkpoints of its weight formats: their
+warm-up runs every step shape a request takes (StageRunner.warmup), which compiles each kernel variant those
+formats use. Formats are grouped so that kernels every format shares are compiled by as few processes as
+possible: float32 with FP8 experts, bfloat16 with FP4 experts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+GROUPS = (("float32", "fp8"), ("bfloat16", "fp4"))
+
+
+def warm(fmt: str) -> None:
+    """One engine's start-up (its warm-up) and a short generation on a random `tiny` checkpoint in `fmt`:
+    float32 or bfloat16 weights, or the published format with fp4 or fp8 experts."""
+    from leanserve import LLM, SamplingParams
+    from leanserve.make_random import make_random
+
+    with tempfile.TemporaryDirectory() as d:
+        if fmt in ("float32", "bfloat16"):
+            make_random(d, "tiny", 0, fmt)
+        else:
+            make_random(d, "tiny", 0, format="published", expert_dtype=fmt)
+        dtype = fmt if fmt in ("float32", "bfloat16") else "auto"
+        spec = {"method": "mtp", "num_speculative_tokens": 2}
+        llm = LLM(d, dtype=dtype, load_progress=False, speculative_config=spec)
+        llm.generate({"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=4))
+        llm.shutdown()
+
+
+def prebuild(jobs: int | None = None) -> float:
+    """Runs the groups of formats in up to `jobs` processes at a time (default: one per core, at most one per
+    group); returns the seconds it took. A process that fails raises, with the end of its output."""
+    jobs = min(jobs or os.cpu_count() or 1, len(GROUPS))
+    start, pending, running = time.perf_counter(), list(GROUPS), []
+    while pending or running:
+        while pending and len(running) < jobs:
+            group = pending.pop(0)
+            cmd = [sys.executable, "-m", "leanserve.prebuild", *group]
+            running.append((group, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        group, proc = running.pop(0)
+        output, _ = proc.communicate()
+        if proc.returncode != 0:
+            for _, other in running:
+                other.kill()
+            tail = "\n".join(output.strip().splitlines()[-20:])
+            raise RuntimeError(f"compiling the kernels for {', '.join(group)} weights failed:\n{tail}")
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    for fmt in sys.argv[1:]:
+        warm(fmt)
