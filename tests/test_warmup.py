@@ -75,3 +75,25 @@ def test_generation_after_warmup_compiles_nothing(monkeypatch):
     for name in ("attend", "moe_tokens", "index_select", "compress", "hc_pre", "linear"):
         assert warmed[f"{name}.one"] | warmed[f"{name}.all"], name
     assert 1 in selected and max(selected) > 1, selected
+
+
+def test_the_warm_up_says_when_it_compiles_the_kernels(tmp_path, monkeypatch, caplog):
+    import importlib.util
+    import logging
+
+    # cached(): a kernel's entry in numba's on-disk cache exists once some process compiled it.
+    source = tmp_path / "one_kernel.py"
+    source.write_text("import numba\n\n\n@numba.njit(cache=True)\ndef plus_one(x):\n    return x + 1\n")
+    spec = importlib.util.spec_from_file_location("one_kernel", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not cpu_kernels.base.cached(module.plus_one)
+    assert module.plus_one(1) == 2
+    assert cpu_kernels.base.cached(module.plus_one)
+    # An engine whose kernels are not in the cache says it compiles them (a first run takes minutes), and only then.
+    for cold in (True, False):
+        monkeypatch.setattr(cpu_kernels, "compiled_before", lambda cold=cold: not cold)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="leanserve"):
+            LLM(str(MODEL), max_model_len=256, load_progress=False)
+        assert ("compiling the CPU kernels" in caplog.text) == cold

@@ -3,6 +3,7 @@ step that turns a StepPlan (plus the previous stage's streams) into streams or s
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -161,8 +162,14 @@ class StageRunner:
         They write positions of slot 0, which no sequence has committed yet (a request's prefill overwrites
         them). Each chunk fits max_num_batched_tokens; all of them fit max_model_len, shortening the first."""
         from leanserve.config import CSA
+        from leanserve.model import cpu_kernels
         from leanserve.model.batch import PREFILL_BLOCK
 
+        if torch.device(self.device).type == "cpu" and not cpu_kernels.compiled_before():
+            logging.getLogger("leanserve").info(
+                "compiling the CPU kernels into numba's cache (once per checkout: a few minutes on 2 cores; "
+                "`leanserve prebuild` compiles every weight format ahead, in parallel)"
+            )
         cfg, geo = self.cfg, self.geometry
         short = 1 + geo.window_ring - geo.window  # the longest chunk that takes the decode path
         cap = max(1, self.max_num_batched_tokens)

@@ -37,8 +37,16 @@ from leanserve.model.cpu_kernels.quantized import (
 
 MODULES = (base, mix, linear, simd, quantized, moe, attention)
 
+
+def compiled_before() -> bool:
+    """Whether an earlier process compiled the kernels into numba's cache (that of the threaded attention, which
+    every engine's warm-up builds), so that this one loads them instead of compiling."""
+    return not available() or base.cached(attention.attend.all)
+
+
 __all__ = [
-    "EMPTY", "MODULES", "Matmuls", "Threaded", "_exp_jit", "_jit", "attend", "available", "compress", "dequantized",
+    "EMPTY", "MODULES", "Matmuls", "Threaded", "_exp_jit", "_jit", "attend", "available", "compiled_before", "compress",
+    "dequantized",
     "disabled", "grouped_linear", "grouped_linear_fp8", "hc_post", "hc_post_pre", "hc_pre", "index_select",
     "limit_threads", "matmuls", "moe_tokens", "moe_work", "norm_rope", "np_", "numba", "one_thread", "rms_norm",
     "stored", "weight_np",

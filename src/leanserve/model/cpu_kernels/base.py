@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 
 import numpy as np
@@ -86,6 +87,15 @@ def _copy_row(dst, src):  # pragma: no cover - compiled: dst[:] = src for two 1-
 
 
 _copy_row_jit = _inlined(_copy_row) if numba is not None else None
+
+
+def cached(kernel) -> bool:
+    """Whether numba's on-disk cache holds builds of `kernel` (a compiled function): an earlier process compiled
+    it from these sources. True when that cannot be told (no numba, another cache layout)."""
+    try:
+        return os.path.exists(kernel._cache._cache_file._index_path)
+    except AttributeError:
+        return True
 
 
 class Threaded:
