@@ -29,11 +29,12 @@ random-tiny: build/random-tiny/model.safetensors
 build/random-tiny/model.safetensors: | $(STAMP)
 	$(VENV)/bin/leanserve make-random build/random-tiny --preset tiny --seed 0 --force
 
-# The kernels compiled first, for every weight format in parallel processes (the tests then load them).
+# The kernels compiled first, for every weight format in parallel processes (the tests then load them); the
+# tests in one worker process per core (many of them wait on processes they start, or on Python alone).
 test: install
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/leanserve prebuild
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n auto
 
 lint: install
 	$(VENV)/bin/ruff check src tests
