@@ -30,11 +30,11 @@ build/random-tiny/model.safetensors: | $(STAMP)
 	$(VENV)/bin/leanserve make-random build/random-tiny --preset tiny --seed 0 --force
 
 # The kernels compiled first, for every weight format in parallel processes (the tests then load them); the
-# tests in one worker process per core (many of them wait on processes they start, or on Python alone).
+# tests in one worker process per core, at most 4 (many of them wait on processes they start, or on Python alone).
 test: install
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/leanserve prebuild
-	$(VENV)/bin/pytest -n auto
+	$(VENV)/bin/pytest -n auto --maxprocesses 4
 
 lint: install
 	$(VENV)/bin/ruff check src tests
