@@ -25,12 +25,13 @@ def warm(fmt: str) -> None:
     from leanserve import LLM, SamplingParams
     from leanserve.make_random import make_random
 
+    plain = fmt in ("float32", "bfloat16")
     with tempfile.TemporaryDirectory() as d:
-        if fmt in ("float32", "bfloat16"):
+        if plain:
             make_random(d, "tiny", 0, fmt)
         else:
             make_random(d, "tiny", 0, format="published", expert_dtype=fmt)
-        dtype = fmt if fmt in ("float32", "bfloat16") else "auto"
+        dtype = fmt if plain else "auto"
         spec = {"method": "mtp", "num_speculative_tokens": 2}
         llm = LLM(d, dtype=dtype, load_progress=False, speculative_config=spec)
         llm.generate({"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=4))

@@ -72,11 +72,13 @@ def byte_ceilings(cfg, batch: int) -> tuple[float, float]:
     with the whole shared head."""
     from leanserve.engine.costs import token_read_bytes
 
+    reads = {n: token_read_bytes(cfg, n, with_mtp=True) for n in (batch, 2 * batch, 3 * batch)}  # (one model each)
+
     def trunk(tokens: int) -> float:
-        return sum(token_read_bytes(cfg, tokens).values())
+        return sum(b for n, b in reads[tokens].items() if not n.startswith("mtp."))
 
     def mtp(tokens: int) -> float:
-        read = token_read_bytes(cfg, tokens, with_mtp=True)
+        read = reads[tokens]
         return sum(b for n, b in read.items() if n.startswith("mtp.")) + read["head.weight"] + read["embed.weight"]
 
     plain = trunk(batch)
