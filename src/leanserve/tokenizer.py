@@ -35,6 +35,13 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._inner.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._inner.id_to_token(token_id)
+
+    def to_json(self) -> str:
+        """The tokenizer.json text (what grammar engines such as llguidance build their token tables from)."""
+        return self._inner.to_str()
+
 
 def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...] | None:
     """eos ids from generation_config.json, when the model dir has one."""
