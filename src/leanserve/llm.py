@@ -145,14 +145,7 @@ class LLM:
         text = tok.decode(token_ids) if tok is not None else ""
         logprobs = None
         if seq.params.logprobs is not None:
-            logprobs = []
-            for token in seq.output_tokens:
-                entry = {
-                    t: Logprob(lp, rank=r, decoded_token=_decode_one(tok, t)) for r, (t, lp) in enumerate(token.top, 1)
-                }
-                if token.token_id not in entry:
-                    entry[token.token_id] = Logprob(token.logprob, decoded_token=_decode_one(tok, token.token_id))
-                logprobs.append(entry)
+            logprobs = [logprob_entry(tok, token.token_id, token.logprob, token.top) for token in seq.output_tokens]
         completion = CompletionOutput(0, text, token_ids, seq.finish_reason, logprobs)
         return RequestOutput(
             request_id=seq.seq_id,
@@ -161,7 +154,33 @@ class LLM:
             outputs=[completion],
             finished=True,
             metrics=seq.metrics,
+            prompt_logprobs=prompt_logprob_entries(seq, tok),
         )
+
+
+def logprob_entry(tokenizer, token_id: int, logprob: float, top) -> dict[int, Logprob]:
+    """A token's {token id: Logprob}: the top (token id, logprob) pairs, best first, ranked from 1, then the token
+    itself when it is not among them (rank None)."""
+    entry = {t: Logprob(lp, rank=r, decoded_token=_decode_one(tokenizer, t)) for r, (t, lp) in enumerate(top, 1)}
+    if token_id not in entry:
+        entry[token_id] = Logprob(logprob, decoded_token=_decode_one(tokenizer, token_id))
+    return entry
+
+
+def prompt_logprob_entries(seq: EngineSequence, tokenizer) -> list[dict[int, Logprob] | None] | None:
+    """RequestOutput.prompt_logprobs of a sequence whose prompt is prefilled: None without
+    params.prompt_logprobs, else [None, then each prompt token's entry as logprob_entry makes it]."""
+    if seq.params.prompt_logprobs is None:
+        return None
+    prompt = seq.prompt_token_ids
+    entries: list[dict[int, Logprob] | None] = [None]
+    for part in seq.prompt_logprobs:
+        assert part.first == len(entries), "prompt logprobs arrive in position order"
+        top_ids, top_lps = part.top_ids.tolist(), part.top_logprobs.tolist()
+        for i, lp in enumerate(part.logprobs.tolist()):
+            top = zip(top_ids[i], top_lps[i], strict=True)
+            entries.append(logprob_entry(tokenizer, prompt[part.first + i], lp, top))
+    return entries
 
 
 def _decode_one(tokenizer, token_id: int) -> str | None:

@@ -19,6 +19,7 @@ ROPE = "rope"  # rotary tables
 PIPELINE = "pipeline_parallel"  # staging for streams received from the previous stage
 SPEC_MTP = "spec_decode:mtp"  # the MTP drafter: its layer cache, the target-hidden buffer, draft probabilities
 SPEC_DRAFT = "spec_decode:draft_model"  # a draft model's caches, tables and draft probabilities
+PENALTIES = "penalties"  # per-slot token counts, only while a running request has presence/frequency/repetition
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,13 @@ class MemoryLedger:
 
     def empty(self, name: str, owner: str, feature: str, shape: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
         return self.register(name, owner, feature, torch.empty(tuple(shape), dtype=dtype, device=self.device))
+
+    def release(self, name: str) -> None:
+        """Drops the entry of a tensor its owner no longer holds (a buffer that exists only while used)."""
+        entry = self.memory.find(name)
+        if entry is None:
+            raise ValueError(f"ledger entry {name!r} is not registered")
+        self.memory.buffers.remove(entry)
 
 
 def weights_by_format(module: torch.nn.Module) -> dict[str, int]:

@@ -40,3 +40,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    # With SamplingParams.prompt_logprobs (vLLM's shape): one entry per prompt token, None for the first (nothing
+    # predicts it), else {token id: Logprob} holding the prompt token and the top prompt_logprobs, as `logprobs`.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

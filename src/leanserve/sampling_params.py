@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+PENALTY_LIMIT = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 
 
 def _is_int(x: object) -> bool:
@@ -11,8 +16,48 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class LogitBias(Mapping[int, float]):
+    """A read-only, hashable {token id: bias}: how SamplingParams keeps `logit_bias` (its dataclass is frozen).
+    `nonzero` is its entries whose bias is not 0, the only ones that change a logit."""
+
+    __slots__ = ("_bias", "nonzero")
+
+    def __init__(self, bias: Mapping[int, float]) -> None:
+        self._bias = dict(bias)
+        self.nonzero = tuple((t, float(b)) for t, b in self._bias.items() if b != 0)
+
+    def __getitem__(self, token_id: int) -> float:
+        return self._bias[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._bias)
+
+    def __len__(self) -> int:
+        return len(self._bias)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._bias.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._bias)
+
+    def __reduce__(self):
+        return LogitBias, (self._bias,)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """Logit bias and penalties act as in vLLM (its V1 sampler, in this order): `logit_bias` is added to the
+    logits, then `repetition_penalty` (every token of the prompt or the output so far: a logit > 0 divided by
+    it, one <= 0 multiplied), `frequency_penalty` (times the token's count in the output so far) and
+    `presence_penalty` (once for a token in the output so far) are subtracted; then temperature, top-k and
+    top-p. Greedy requests take the argmax of the processed logits. Logprobs are those of the raw logits,
+    before any of this, as vLLM reports them by default (its `logprobs_mode="raw_logprobs"`)."""
+
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = disabled
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = disabled
@@ -21,6 +66,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # a list is accepted and stored as a tuple
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token; 0 = only the sampled token's
+    # Per prompt position (vLLM's meaning): the logprob of the prompt token there and the top-N, under the
+    # logits at the position before it (the first position gets None); None = off. With it max_tokens may be
+    # 0: the prompt is scored and nothing generated (finish reason "length").
+    prompt_logprobs: int | None = None
+    # {token id: bias in [-100, 100]} added to the logits (-100 effectively bans the token, +100 effectively
+    # forces it); stored as a read-only LogitBias. The engine refuses an id outside the model's vocabulary.
+    logit_bias: Mapping[int, float] | None = None
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence of a token already generated
+    repetition_penalty: float = 1.0  # > 0: for tokens in the prompt or the output; 1 = off
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -33,10 +88,16 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= -1 (0 or -1 disables it), got {self.top_k!r}.")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}.")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}.")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}.")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}.")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError(
+                "max_tokens must be an int >= 1, got 0 (0, scoring the prompt alone, needs prompt_logprobs set)."
+            )
         stop_msg = f"stop_token_ids must be a sequence of ints >= 0, got {self.stop_token_ids!r}."
         if isinstance(self.stop_token_ids, str | bytes):
             raise ValueError(stop_msg)
@@ -47,7 +108,37 @@ class SamplingParams:
         if any(not _is_int(s) or s < 0 for s in stop):
             raise ValueError(stop_msg)
         object.__setattr__(self, "stop_token_ids", stop)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}.")
+        r = self.repetition_penalty
+        if not _is_number(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {r!r}.")
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @cached_property  # (read for every sampled row of every step: computed once)
+    def has_logit_bias(self) -> bool:
+        """Whether some logit_bias entry is not 0 (a bias of 0, or an empty one, changes nothing)."""
+        return self.logit_bias is not None and bool(self.logit_bias.nonzero)
+
+    @cached_property
+    def has_penalties(self) -> bool:
+        """Whether presence, frequency or repetition penalty is on: the engine then counts the request's tokens."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _logit_bias(bias: object) -> LogitBias:
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}.")
+    for t, b in bias.items():
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {t!r}.")
+        if not _is_number(b) or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}.")
+    return bias if isinstance(bias, LogitBias) else LogitBias(bias)

@@ -167,6 +167,10 @@ class LLMEngine:
         for t in prompt_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"Prompt token id {t!r} is out of range for a vocabulary of {vocab}.")
+        if params.logit_bias is not None:
+            for t in params.logit_bias:
+                if t >= vocab:
+                    raise ValueError(f"logit_bias token id {t} is out of range for a vocabulary of {vocab}.")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

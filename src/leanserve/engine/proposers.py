@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from leanserve.config import ModelConfig, SpeculativeConfig
+from leanserve.engine.penalties import biased
 from leanserve.engine.sampler import STREAM_DRAFT, Sampler, _is_greedy
 from leanserve.memory import MemoryLedger
 from leanserve.model.batch import Chunk, build_forward_batch
@@ -82,6 +83,7 @@ class ModelProposer(Proposer):
                 wanted = [wanted[i] for i in keep]
                 state, logits = self.next(wanted, [drafts[it.seq_id][-1] for it in wanted], j, state, keep)
             params = [it.params for it in wanted]
+            logits = biased(logits, params)  # (penalties are left to the verification: drafts are only guesses)
             if all(_is_greedy(p) for p in params):  # greedy drafts: the argmax (what the sampler takes), no q
                 tokens = logits.argmax(dim=-1).tolist()
             else:

@@ -11,16 +11,21 @@ import numpy as np
 import torch
 
 from leanserve.config import EngineConfig, ModelConfig
+from leanserve.engine.penalties import PenaltyState
 from leanserve.engine.proposers import DraftModelProposer, MTPProposer, ProposeItem
 from leanserve.engine.sampler import Sampler, _is_greedy
 from leanserve.engine.scheduler import ScheduledBatch
-from leanserve.engine.sequence import SampledToken, SeqOutput
+from leanserve.engine.sequence import PromptLogprobs, SampledToken, SeqOutput
 from leanserve.memory import PIPELINE, SPEC_DRAFT, SPEC_MTP, MemoryLedger, StageMemory, weights_by_format
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.cache import CacheGeometry
 from leanserve.model.deepseek_v4 import StageLayout, build_model
 from leanserve.model.loader import load_weights
 from leanserve.sampling_params import SamplingParams
+
+# The most logits a block of prompt-logprob rows holds at once (64 MiB of float32): the head over a long chunk's
+# rows runs in blocks of _HEAD_BLOCK // vocab rows.
+_HEAD_BLOCK = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,25 @@ class SampleSpec:
 
 
 @dataclass(frozen=True)
+class PromptLogprobSpec:
+    """A prefill chunk's rows whose prompt logprobs its request asks for: the logits at flat row `row + i`
+    (prompt position `first - 1 + i`) score prompt token `targets[i]` (at position `first + i`). Every token of
+    the prompt is known when the plan is made, so a chunk scores its own rows, its last one included (the next
+    chunk's first token is its target): nothing is kept from one chunk to the next."""
+
+    seq_id: int
+    row: int
+    first: int  # prompt position of targets[0] (>= 1)
+    targets: tuple[int, ...]
+    k: int  # top logprobs wanted (the request's prompt_logprobs)
+
+
+# StepPlan.next_tokens' entry for a chunk that ends its request's known tokens and samples nothing (a request
+# with max_tokens 0: it only scores its prompt).
+SCORE_ONLY = -2
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """Everything any stage needs for one step, built once by the first stage and sent to the others.
     Each chunk's `start` is its sequence's committed token count, so every stage learns the committed
@@ -49,9 +73,15 @@ class StepPlan:
     chunks: tuple[Chunk, ...]
     logits_rows: tuple[int, ...]  # flat token rows whose logits are used: len(drafts) + 1 per sample, in order
     samples: tuple[SampleSpec, ...]
-    # Per chunk: the token right after it when that is already known (a non-final prefill chunk), else -1.
-    # The MTP layer at the chunk's last position reads it.
+    # Per chunk: the token right after it when that is already known (a non-final prefill chunk), else -1
+    # (SCORE_ONLY when the chunk samples nothing either). The MTP layer at the chunk's last position reads it.
     next_tokens: tuple[int, ...] = ()
+    # The slots of every running request with presence / frequency / repetition penalties (in this plan or
+    # not): the last stage keeps their token counts while this is not empty. () when no request has them.
+    penalty_slots: tuple[int, ...] = ()
+    # The rows of the prefill chunks whose requests ask for prompt_logprobs (the last stage takes the head at
+    # them too); () when none does, so the others' steps take the head at their sampled rows alone.
+    prompt_logprobs: tuple[PromptLogprobSpec, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -59,12 +89,21 @@ class StepPlan:
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> StepPlan:
-        chunks, rows, samples, next_tokens = [], [], [], []
+        chunks, rows, samples, next_tokens, prompt = [], [], [], [], []
         offset = 0
         for s in batch.seqs:
             chunks.append(Chunk(s.slot, s.start, s.token_ids))
-            offset += s.num_tokens
             seq = s.seq
+            if seq.params.prompt_logprobs is not None:
+                # Positions [start, end) of this chunk score prompt tokens start+1 .. end (the prompt's last
+                # position predicts the first output token, not a prompt token).
+                end = min(s.start + len(s.fed_token_ids), seq.num_prompt_tokens - 1)
+                if end > s.start:
+                    targets = tuple(seq.prompt_token_ids[s.start + 1 : end + 1])
+                    prompt.append(
+                        PromptLogprobSpec(seq.seq_id, offset, s.start + 1, targets, seq.params.prompt_logprobs)
+                    )
+            offset += s.num_tokens
             if s.is_sampled:
                 rows.extend(range(offset - 1 - s.num_drafts, offset))
                 step = seq.num_output_tokens
@@ -72,8 +111,9 @@ class StepPlan:
                 next_tokens.append(-1)
             else:
                 end = s.start + s.num_tokens
-                next_tokens.append(seq.token_ids_between(end, end + 1)[0])
-        return cls(tuple(chunks), tuple(rows), tuple(samples), tuple(next_tokens))
+                following = seq.token_ids_between(end, end + 1)
+                next_tokens.append(following[0] if following else SCORE_ONLY)
+        return cls(tuple(chunks), tuple(rows), tuple(samples), tuple(next_tokens), batch.penalty_slots, tuple(prompt))
 
 
 @dataclass(frozen=True)
@@ -126,6 +166,8 @@ class StageRunner:
             None if layout.is_first else ledger.empty("pp_recv_streams", "pipeline", PIPELINE, shape, act)
         )
         self.sampler = Sampler() if layout.is_last else None
+        # Per-slot token counts for the penalties: no tensor until a running request has penalties.
+        self.penalties = PenaltyState(ledger, config.max_num_seqs, cfg.vocab_size) if layout.is_last else None
         self.proposer = None
         if layout.is_last and spec is not None and spec.method in ("mtp", "draft_model"):
             common = dict(k=num_spec, num_slots=config.max_num_seqs, sampler=self.sampler, ledger=ledger)
@@ -244,12 +286,51 @@ class StageRunner:
         logits_index = list(plan.logits_rows) if last else None
         fb = build_forward_batch(list(plan.chunks), self.geometry, logits_index=logits_index, device=self.device)
         streams = received.streams if received is not None else None
-        out = self.model(fb, self.caches, streams, target_hidden=self.target_hidden if capture_hidden else None)
+        out = self.model.trunk(fb, self.caches, streams, target_hidden=self.target_hidden if capture_hidden else None)
         if not last:
             return IntermediateStreams(out)
-        tokens = self._verify(out, plan.samples) if plan.samples else {}
+        # The head at the sampled rows, and only for requests asking for prompt logprobs at their prompt rows.
+        prompt = self._prompt_logprobs(out, plan.prompt_logprobs) if plan.prompt_logprobs else {}
+        self.penalties.begin(plan.penalty_slots, plan.chunks, plan.samples)
+        tokens = self._verify(self.model.head_logits(out[fb.logits_index]), plan.samples) if plan.samples else {}
         drafts = self._propose(plan, tokens) if propose and self.proposer is not None else {}
-        return {seq_id: SeqOutput(t, drafts.get(seq_id, ())) for seq_id, t in tokens.items()}
+        outputs = {
+            seq_id: SeqOutput(t, drafts.get(seq_id, ()), prompt.pop(seq_id, None)) for seq_id, t in tokens.items()
+        }
+        outputs.update((seq_id, SeqOutput((), prompt_logprobs=p)) for seq_id, p in prompt.items())
+        return outputs
+
+    def _prompt_logprobs(
+        self, streams: torch.Tensor, specs: tuple[PromptLogprobSpec, ...]
+    ) -> dict[int, PromptLogprobs]:
+        """The head at the rows `specs` name, in blocks of at most _HEAD_BLOCK logits (so a long chunk's rows
+        never hold [chunk, vocab] at once): per request, its targets' logprobs under log_softmax of the raw
+        logits (as the sampler's) and its top-k."""
+        dev = streams.device
+        rows = torch.tensor([r for s in specs for r in range(s.row, s.row + len(s.targets))], device=dev)
+        targets = torch.tensor([t for s in specs for t in s.targets], device=dev)
+        vocab = self.cfg.vocab_size
+        k = min(max(s.k for s in specs), vocab)
+        block = max(1, _HEAD_BLOCK // vocab)
+        lps, top_ids, top_lps = [], [], []
+        for i in range(0, len(rows), block):
+            logp = torch.log_softmax(self.model.head_logits(streams[rows[i : i + block]]), dim=-1)
+            lps.append(logp.gather(1, targets[i : i + block, None]).squeeze(1))
+            if k:
+                values, ids = logp.topk(k, dim=-1)  # sorted descending
+                top_lps.append(values)
+                top_ids.append(ids)
+        lp = torch.cat(lps).cpu().numpy()
+        n = len(lp)
+        tid = torch.cat(top_ids).cpu().numpy() if k else np.zeros((n, 0), dtype=np.int64)
+        tlp = torch.cat(top_lps).cpu().numpy() if k else np.zeros((n, 0), dtype=np.float32)
+        out, at = {}, 0
+        for s in specs:
+            end = at + len(s.targets)
+            m = min(s.k, vocab)
+            out[s.seq_id] = PromptLogprobs(s.first, lp[at:end].copy(), tid[at:end, :m].copy(), tlp[at:end, :m].copy())
+            at = end
+        return out
 
     def _check_committed(self, plan: StepPlan) -> None:
         # Every stage checks the plan against what it has written, so stages cannot drift apart silently.
@@ -273,6 +354,8 @@ class StageRunner:
                 slots.append(s.slot)
                 cols.append(min(j, self.proposer.k - 1) if self.proposer is not None else 0)
         seeds_t, steps_t = torch.tensor(seeds, dtype=torch.long), torch.tensor(steps, dtype=torch.long)
+        raw = logits  # logprobs are the raw logits' (vLLM's default); bias and penalties change what is sampled
+        logits = self.penalties.process(logits, samples)
         if len(params) == len(samples):  # no drafts: plain sampling
             final, _ = self.sampler.sample(logits, params, seeds_t, steps_t)
             accepted = [False] * len(params)
@@ -285,7 +368,7 @@ class StageRunner:
             accepted_t, emit = self.sampler.verify(logits, params, seeds_t, steps_t, drafts_t, q)
             final = torch.where(accepted_t, drafts_t, emit)
             accepted = accepted_t.tolist()
-        out = self.sampler.with_logprobs(logits, final, params)
+        out = self.sampler.with_logprobs(raw, final, params)
         token_ids = final.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
@@ -305,6 +388,7 @@ class StageRunner:
                     break
             result[s.seq_id] = tuple(emitted)
             row += len(s.drafts) + 1
+        self.penalties.record(samples, result)
         return result
 
     def _propose(self, plan: StepPlan, tokens: dict[int, tuple[SampledToken, ...]]) -> dict[int, tuple[int, ...]]:
@@ -313,7 +397,9 @@ class StageRunner:
         items, row, seeds = [], 0, {}
         for chunk, next_token in zip(plan.chunks, plan.next_tokens, strict=True):
             fed = tuple(chunk.token_ids)
-            if next_token >= 0:  # a non-final prefill chunk: its positions are final, the next token is known
+            if next_token == SCORE_ONLY:  # the request ends with this chunk: nothing to draft for
+                pass
+            elif next_token >= 0:  # a non-final prefill chunk: its positions are final, the next token is known
                 items.append(ProposeItem(chunk.slot, chunk.start, fed + (next_token,), row))
             else:
                 s = next(samples)
@@ -326,4 +412,4 @@ class StageRunner:
                 items.append(ProposeItem(chunk.slot, chunk.start, known, row, s.seq_id, s.params, step, limit))
                 seeds[s.seq_id] = s.seed
             row += len(fed)
-        return self.proposer.propose(items, seeds)
+        return self.proposer.propose(items, seeds) if items else {}

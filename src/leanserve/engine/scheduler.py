@@ -19,7 +19,8 @@ class ScheduledSeq:
     # seq.all_token_ids[start : start + len(fed_token_ids)]: a prefill chunk, or the newest token for a decode
     fed_token_ids: tuple[int, ...]
     # True when this step reaches the end of the sequence's known tokens, so the logit row of its last
-    # fed token is sampled. False only for a non-final chunk of a chunked prefill.
+    # fed token is sampled. False for a non-final chunk of a chunked prefill, and for the last chunk of a
+    # request with max_tokens 0 (scoring its prompt only: it finishes once that chunk is in, sampling nothing).
     is_sampled: bool
     # Speculative tokens for the positions after the fed ones, to verify (only on a sampled chunk).
     draft_token_ids: tuple[int, ...] = ()
@@ -42,6 +43,9 @@ class ScheduledSeq:
 class ScheduledBatch:
     seqs: tuple[ScheduledSeq, ...]
     num_tokens: int  # sum of seqs[i].num_tokens; <= max_num_batched_tokens
+    # The slots of every running request with presence / frequency / repetition penalties, this batch's or
+    # not (the last stage keeps their token counts while this is not empty); () when no request has them.
+    penalty_slots: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # in the order they started running
         self._live: dict[int, Sequence] = {}  # seq_id -> every waiting or running sequence
+        self._penalty_slots: set[int] = set()  # slots of running sequences with penalties
 
     @property
     def has_unfinished(self) -> bool:
@@ -100,8 +105,8 @@ class Scheduler:
         n, m = seq.num_prompt_tokens, seq.params.max_tokens
         if n == 0:
             raise ValueError(f"Request {seq.seq_id} has an empty prompt.")
-        if m < 1:
-            raise ValueError(f"Request {seq.seq_id} has max_tokens ({m}) < 1.")
+        if m < 1 and not (m == 0 and seq.params.prompt_logprobs is not None):
+            raise ValueError(f"Request {seq.seq_id} has max_tokens ({m}) < 1 (0 only with prompt_logprobs).")
         if n + m > self.max_model_len:
             raise ValueError(
                 f"Request {seq.seq_id}: prompt ({n} tokens) + max_tokens ({m}) exceeds "
@@ -156,20 +161,25 @@ class Scheduler:
             seq.slot = self.slots.allocate()
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
+            if seq.params.has_penalties:
+                self._penalty_slots.add(seq.slot)
             budget -= self._take(seq, budget, out)
         if not out:
             return None
-        return ScheduledBatch(seqs=tuple(out), num_tokens=total - budget)
+        penalty_slots = tuple(sorted(self._penalty_slots)) if self._penalty_slots else ()
+        return ScheduledBatch(seqs=tuple(out), num_tokens=total - budget, penalty_slots=penalty_slots)
 
     def update(
         self, batch: ScheduledBatch, outputs: dict[int, SeqOutput], proposer: Proposer | None = None
     ) -> list[SeqUpdate]:
         """The step's bookkeeping. outputs: seq_id -> the accepted drafts and the sampled token (and the last
-        stage's drafts for the next step), for every ScheduledSeq with is_sampled. Appends each sequence's
-        tokens up to the first that finishes it, commits the counts, finishes sequences, and stores the next
-        drafts: the outputs' (a model proposer on the last stage), or `proposer`'s when it is given (a proposer
-        on the first stage, fed each sequence's tokens). Returns one SeqUpdate per sampled sequence, in batch
-        order, finished ones included (not those aborted since schedule())."""
+        stage's drafts for the next step), for every ScheduledSeq with is_sampled, and the chunk's prompt
+        logprobs for every prefill chunk of a request that asks for them. Appends each sequence's tokens up to
+        the first that finishes it, commits the counts, finishes sequences, and stores the next drafts: the
+        outputs' (a model proposer on the last stage), or `proposer`'s when it is given (a proposer on the
+        first stage, fed each sequence's tokens). Returns one SeqUpdate per sampled sequence, in batch order,
+        finished ones included (not those aborted since schedule()), and one, without tokens, for a request
+        with max_tokens 0 whose prompt is now all in (finished: "length")."""
         updates: list[SeqUpdate] = []
         wanting: list[ProposeItem] = []
         row = 0
@@ -181,9 +191,15 @@ class Scheduler:
             assert seq.num_computed_tokens == s.start, "update() must follow the schedule() of this batch"
             seq.num_computed_tokens += len(s.fed_token_ids)
             seq.spec_token_ids = ()
+            out = outputs.get(seq.seq_id)
+            if out is not None and out.prompt_logprobs is not None:
+                seq.prompt_logprobs.append(out.prompt_logprobs)
             if not s.is_sampled:
+                if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
+                    updates.append(SeqUpdate(seq, (), "length"))  # scored, nothing to generate
+                    self._running.remove(seq)
+                    self._finish(seq, "length")
                 continue
-            out = outputs[seq.seq_id]
             new, reason = self._append_tokens(seq, out.tokens)
             # Accepted drafts, then one sampled token: the accepted drafts' cache entries are committed
             # (rejected ones are left behind, to be overwritten: the cache is addressed by position).
@@ -222,7 +238,7 @@ class Scheduler:
                 start=start,
                 slot=seq.slot,
                 fed_token_ids=tuple(seq.token_ids_between(start, start + n)),
-                is_sampled=start + n == seq.num_tokens,
+                is_sampled=start + n == seq.num_tokens and seq.params.max_tokens > 0,
             )
         )
         return n
@@ -255,6 +271,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq.slot is not None:
+            self._penalty_slots.discard(seq.slot)
             self.slots.free(seq.slot)
             seq.slot = None
         del self._live[seq.seq_id]

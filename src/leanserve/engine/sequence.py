@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from leanserve.outputs import RequestMetrics
 
 if TYPE_CHECKING:
@@ -22,12 +24,29 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The logprobs of prompt positions [first, first + n), from one prefill chunk of a request that asks for
+    `prompt_logprobs`: position p's under the logits at p - 1 (raw, as the generated tokens' logprobs). Arrays,
+    so a long chunk's travel back from the last stage is a few buffers, not a list of objects."""
+
+    first: int  # prompt position of the first entry (>= 1: nothing predicts position 0)
+    logprobs: np.ndarray  # [n] float32: the prompt token's logprob
+    top_ids: np.ndarray  # [n, k] int64, best first (k = the request's prompt_logprobs; may be 0)
+    top_logprobs: np.ndarray  # [n, k] float32
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+
+@dataclass(frozen=True)
 class SeqOutput:
     """A sequence's result of one step: its accepted drafts, then one sampled token; and the drafts proposed
-    for the next step (the model proposers run on the last stage)."""
+    for the next step (the model proposers run on the last stage). A request with prompt_logprobs also gets
+    its chunk's prompt logprobs, on every prefill chunk (`tokens` empty on a chunk that samples nothing)."""
 
     tokens: tuple[SampledToken, ...]
     drafts: tuple[int, ...] = ()
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class SequenceStatus(enum.Enum):
@@ -58,6 +77,9 @@ class Sequence:
     # Draft tokens proposed for the positions after the newest token, verified by the next step.
     spec_token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None  # "stop" | "length" | "abort" once FINISHED
+    # With params.prompt_logprobs: each prefill chunk's prompt logprobs, in position order (complete, positions
+    # 1 to the prompt's end, once the prompt is prefilled: by the sequence's first SeqUpdate).
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=_now)  # arrival, first token and finish times
 
     @property

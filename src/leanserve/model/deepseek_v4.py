@@ -124,13 +124,27 @@ class DeepseekV4(UsesBackend, nn.Module):
         [T, hc_mult, hidden]. Returns the streams (non-last stage) or float32 logits for the rows in
         fb.logits_index (last stage). `target_hidden`, when given, receives the pre-hc_head streams
         [T, hc_mult * hidden] (for the MTP drafter)."""
-        streams = self.ops.run_blocks(self, fb, caches, None if self.stage.is_first else streams)
+        streams = self.trunk(fb, caches, streams, target_hidden)
         if not self.stage.is_last:
             return streams
-        if target_hidden is not None:
+        return self.head_logits(streams if fb.logits_index is None else streams[fb.logits_index])
+
+    def trunk(
+        self,
+        fb: ForwardBatch,
+        caches: dict[str, LayerCache],
+        streams: torch.Tensor | None = None,
+        target_hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This stage's blocks: the streams [T, hc_mult, hidden] of every token (on the last stage before hc_head;
+        `target_hidden` as in forward), for a caller that takes the head at rows of its own (`head_logits`)."""
+        streams = self.ops.run_blocks(self, fb, caches, None if self.stage.is_first else streams)
+        if self.stage.is_last and target_hidden is not None:
             target_hidden[: streams.shape[0]].copy_(streams.flatten(1))
-        if fb.logits_index is not None:
-            streams = streams[fb.logits_index]
+        return streams
+
+    def head_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """hc_head, the final norm and the head over trunk streams [R, hc_mult, hidden]: float32 logits [R, vocab]."""
         return self.logits(self.head_hidden(streams))
 
     def blocks_torch(self, fb: ForwardBatch, caches, ropes: dict[str, Rope], streams: torch.Tensor | None):
