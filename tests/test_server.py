@@ -30,8 +30,8 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef main():\n    ", "class Sta
 
 
 class Server:
-    def __init__(self, *extra: str) -> None:
-        cmd = [sys.executable, "-m", "leanserve.cli", "--log-level", "warning", "serve", "--model", str(SHIPPED)]
+    def __init__(self, *extra: str, model: Path = SHIPPED) -> None:
+        cmd = [sys.executable, "-m", "leanserve.cli", "--log-level", "warning", "serve", "--model", str(model)]
         cmd += ["--port", "0", "--served-model-name", NAME, *ENGINE, *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
@@ -246,7 +246,11 @@ BAD = [
     ({"model": NAME, "prompt": "x", "seed": "abc"}, "seed"),
     ({"model": NAME, "prompt": "x", "stream": "yes"}, "stream"),
     ({"model": NAME, "prompt": "x", "echo": True}, "echo"),
-    ({"model": NAME, "prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"model": NAME, "prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"model": NAME, "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"50": 101}}, "logit_bias"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"4096": 1}}, "logit_bias"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"fifty": 1}}, "logit_bias"),
 ]
 
 
@@ -258,11 +262,14 @@ def test_bad_parameters_get_a_400_naming_the_field(server, body, param):
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
 
 
-def test_unknown_model_is_404_and_unknown_fields_are_ignored(server):
+def test_unknown_model_is_404_and_unknown_fields_are_refused_by_name(server):
     status, raw = server.raw("/v1/completions", json.dumps({"model": "gpt-9", "prompt": "x"}).encode())
     assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"
-    body = {"model": NAME, "prompt": "x", "max_tokens": 2, "frobnicate": True, "user": "me"}
+    body = {"model": NAME, "prompt": "x", "max_tokens": 2, "user": "me"}  # `user` is the caller's own label
     assert server.raw("/v1/completions", json.dumps(body).encode())[0] == 200
+    status, raw = server.raw("/v1/completions", json.dumps({**body, "frobnicate": True}).encode())
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "frobnicate" and "'frobnicate' is not supported" in error["message"]
 
 
 def test_fuzz_gets_only_4xx_and_the_server_keeps_serving(server):

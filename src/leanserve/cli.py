@@ -81,6 +81,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the one used is printed)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument(
+        "--chat-template", default=None, metavar="FILE",
+        help="a Jinja chat template that overrides the model's chat format (default: DeepSeek-V4's own encoding "
+        "when the tokenizer has its chat tokens, else the model's template, else 'role: content' lines)",
+    )  # fmt: skip
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
     _add_engine_options(p)
@@ -92,8 +97,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be between 0 and 65535, got {args.port}.")
+    if args.chat_template is not None and not Path(args.chat_template).is_file():
+        raise ValueError(f"--chat-template {args.chat_template}: no such file.")
     llm = LLM(model=args.model, dtype=args.dtype, **_engine_kwargs(args))
-    serve(llm, args.host, args.port, args.served_model_name, args.api_key)
+    serve(llm, args.host, args.port, args.served_model_name, args.api_key, args.chat_template)
     return 0
 
 
@@ -134,6 +141,26 @@ def _add_make_random(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--expert-dtype", default="fp4", choices=["fp4", "fp8"], help="routed experts (--format published)")
     p.add_argument("--max-shard-size", default=None, help="shard the published weights, e.g. 500MB")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="copy DIR's tokenizer (and generation_config.json); the vocabulary becomes the tokenizer's",
+    )
+    p.add_argument(
+        "--chat-tokens", action="store_true", help="add DeepSeek-V4's chat tokens to it (see add-chat-tokens)"
+    )
+
+
+def _add_add_chat_tokens(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "add-chat-tokens",
+        help="copy a checkpoint with DeepSeek-V4's chat tokens added to its tokenizer, embedding and head",
+    )
+    p.add_argument("src", help="the source checkpoint directory (with tokenizer.json)")
+    p.add_argument("dst", help="the output directory")
+    p.add_argument("--seed", type=int, default=0, help="seed of the new rows' random values")
+    p.add_argument("--force", action="store_true", help="write into an existing DST")
 
 
 def _add_prebuild(sub: argparse._SubParsersAction) -> None:
@@ -188,12 +215,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     sc.add_argument("--threads", type=int, default=None)
     sc.add_argument("--output", default="table", choices=["table", "json"])
     sv = kinds.add_parser("serve", help="a bounded loopback load generator against a real server process")
-    sv.add_argument("--model", required=True)
+    sv.add_argument("--model", default="models/dsv4-stdlib-12l", help="default: the shipped model (from the repo root)")
     sv.add_argument("--concurrency", type=_int_list, default=[1, 8, 32])
     sv.add_argument("--requests", type=int, default=32, help="requests per concurrency level (at least the level)")
-    sv.add_argument("--max-tokens", type=int, default=32)
+    sv.add_argument("--max-tokens", type=int, default=None, help="per request (default 32; --vs-engine: 1000)")
     sv.add_argument("--prompt-len", type=int, default=48)
     sv.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    sv.add_argument(
+        "--vs-engine",
+        action="store_true",
+        help="instead: ms/token of one stream through the server next to the offline engine's decode, side by side",
+    )
+    sv.add_argument("--repeats", type=int, default=3, help="--vs-engine: rounds of the alternating arms")
     sv.add_argument("--output", default="table", choices=["table", "json"])
     fm = kinds.add_parser(
         "formats", help="decode at DeepSeek-V4-Flash's per-layer scale: the published format vs bf16, side by side"
@@ -257,13 +290,22 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError("--hc-dim must be positive.")
         rows = copy_bench(args.device, args.dtype, args.hc_dim, tuple(args.tokens), args.repeats)
         print_rows(rows, args.output, COPY_HEADERS)
+    elif args.bench == "serve" and args.vs_engine:
+        from leanserve.bench.serve import VS_ENGINE_HEADERS, serve_vs_engine_bench
+
+        max_tokens = 1000 if args.max_tokens is None else args.max_tokens
+        if max_tokens < 2 or args.prompt_len < 1:
+            raise ValueError("--prompt-len must be positive and --max-tokens at least 2.")
+        rows = serve_vs_engine_bench(args.model, max_tokens, args.repeats, args.prompt_len, args.dtype)
+        print_rows(rows, args.output, VS_ENGINE_HEADERS)
     elif args.bench == "serve":
         from leanserve.bench.serve import SERVE_HEADERS, serve_bench
 
-        if args.max_tokens < 1 or args.prompt_len < 1:
+        max_tokens = 32 if args.max_tokens is None else args.max_tokens
+        if max_tokens < 1 or args.prompt_len < 1:
             raise ValueError("--prompt-len and --max-tokens must be positive.")
         rows = serve_bench(
-            args.model, args.concurrency, args.requests, args.max_tokens, args.prompt_len, ["--dtype", args.dtype]
+            args.model, args.concurrency, args.requests, max_tokens, args.prompt_len, ["--dtype", args.dtype]
         )
         print_rows(rows, args.output, SERVE_HEADERS)
     elif args.bench == "pp":
@@ -422,9 +464,23 @@ def _make_random(args: argparse.Namespace) -> int:
         format=args.format,
         expert_dtype=args.expert_dtype,
         max_shard_size=args.max_shard_size,
+        tokenizer=args.tokenizer,
+        chat_tokens=args.chat_tokens,
     )
     kind = f" (published format, {args.expert_dtype} experts)" if args.format == "published" else ""
-    print(f"wrote a random {args.preset} DeepSeek-V4 checkpoint{kind} to {args.dir}")
+    extra = f", with {args.tokenizer}'s tokenizer" if args.tokenizer else ""
+    extra += " and DeepSeek-V4's chat tokens" if args.chat_tokens else ""
+    print(f"wrote a random {args.preset} DeepSeek-V4 checkpoint{kind}{extra} to {args.dir}")
+    return 0
+
+
+def _add_chat_tokens(args: argparse.Namespace) -> int:
+    from leanserve.chat_tokens import DSV4_CHAT_TOKENS, add_chat_tokens
+
+    ids = add_chat_tokens(args.src, args.dst, seed=args.seed, force=args.force)
+    print(f"wrote {args.src} with DeepSeek-V4's chat tokens to {args.dst}: ids {ids[0]}..{ids[-1]}")
+    for token, token_id in zip(DSV4_CHAT_TOKENS, ids, strict=True):
+        print(f"  {token_id}\t{token}")
     return 0
 
 
@@ -465,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub)
     _add_memory(sub)
     _add_make_random(sub)
+    _add_add_chat_tokens(sub)
     _add_quantize(sub)
     _add_prebuild(sub)
     _add_bench(sub)
@@ -475,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": _serve,
         "memory": _memory,
         "make-random": _make_random,
+        "add-chat-tokens": _add_chat_tokens,
         "quantize": _quantize,
         "prebuild": _prebuild,
         "bench": _bench,

@@ -8,6 +8,7 @@ exactly those paths.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -129,10 +130,18 @@ def make_random(
     format: str = "hf",
     expert_dtype: str = "fp4",
     max_shard_size: str | int | None = None,
+    tokenizer: str | Path | None = None,
+    chat_tokens: bool = False,
     **overrides,
 ) -> Path:
     """format "hf": transformers' layout in `dtype`; "published": DeepSeek's (FP8 linears, `expert_dtype` experts,
-    see leanserve.quantize), the random float32 weights quantized."""
+    see leanserve.quantize), the random float32 weights quantized. `tokenizer`: a model directory whose tokenizer
+    files (and generation_config.json) are copied; the vocabulary is the tokenizer's (its size, its bos / eos ids)
+    instead of the preset's. `chat_tokens`: DeepSeek-V4's chat tokens added to it (leanserve.chat_tokens)."""
+    if chat_tokens and tokenizer is None:
+        raise ValueError("chat_tokens needs a tokenizer to add them to; give tokenizer=DIR (--tokenizer DIR).")
+    if tokenizer is not None:
+        overrides = {**_tokenizer_fields(Path(tokenizer), overrides), **overrides}
     cfg = preset_config(preset, **overrides)
     if format == "published":
         from leanserve.quantize import quantized_config, save_published
@@ -140,10 +149,67 @@ def make_random(
         quantized_config(cfg, expert_dtype)  # (dimensions FP4 cannot store: fail before building anything)
     elif format != "hf":
         raise ValueError(f"Unknown checkpoint format {format!r}; choose 'hf' or 'published'.")
+    out = Path(out_dir)
+    if chat_tokens:  # the plain checkpoint in a scratch directory beside `out`, then grown into `out`
+        import shutil
+        import tempfile
+
+        from leanserve.chat_tokens import add_chat_tokens
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        try:
+            make_random(scratch, preset, seed, dtype, format, expert_dtype, max_shard_size, tokenizer, **overrides)
+            add_chat_tokens(scratch, out, seed=seed, force=True)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return out
     model = build_model(cfg, max_positions=1, with_mtp=cfg.has_mtp)
     randomize_(model, seed)
     if format == "published":
-        save_published(model, out_dir, expert_dtype, max_shard_size)
+        save_published(model, out, expert_dtype, max_shard_size)
     else:
-        save_checkpoint(model, out_dir, dtype=getattr(torch, dtype) if dtype != "float32" else None)
-    return Path(out_dir)
+        save_checkpoint(model, out, dtype=getattr(torch, dtype) if dtype != "float32" else None)
+    if tokenizer is not None:
+        _copy_tokenizer(Path(tokenizer), out)
+    return out
+
+
+# What `tokenizer=DIR` copies: the tokenizer's files and the generation config that names its eos ids.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def _tokenizer_fields(tok_dir: Path, overrides: dict) -> dict[str, Any]:
+    """The config fields a tokenizer decides: vocab_size (its size with added tokens) and the bos / eos / pad ids
+    (from tok_dir's generation_config.json or config.json, when it has them)."""
+    from leanserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tok_dir)
+    if tok is None:
+        raise ValueError(f"{tok_dir} has no tokenizer.json to copy.")
+    if overrides.get("vocab_size", tok.vocab_size) != tok.vocab_size:
+        raise ValueError(
+            f"vocab_size {overrides['vocab_size']} differs from the {tok.vocab_size} ids of the tokenizer in {tok_dir}."
+        )
+    fields: dict[str, Any] = {"vocab_size": tok.vocab_size}
+    for name in ("config.json", "generation_config.json"):  # (the generation config wins)
+        path = tok_dir / name
+        if not path.is_file():
+            continue
+        raw = json.loads(path.read_text())
+        if isinstance(raw.get("bos_token_id"), int):
+            fields["bos_token_id"] = raw["bos_token_id"]
+        if isinstance(raw.get("pad_token_id"), int):
+            fields["pad_token_id"] = raw["pad_token_id"]
+        eos = raw.get("eos_token_id")
+        if isinstance(eos, int) or (isinstance(eos, list) and eos):
+            fields["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
+    return fields
+
+
+def _copy_tokenizer(tok_dir: Path, out: Path) -> None:
+    import shutil
+
+    for name in _TOKENIZER_FILES:
+        if (tok_dir / name).is_file():
+            shutil.copy2(tok_dir / name, out / name)

@@ -8,7 +8,10 @@ import sys
 from leanserve.errors import EngineDied
 
 
-def serve(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None, api_key=None) -> None:
+def serve(
+    llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None, api_key=None,
+    chat_template: str | None = None,
+) -> None:  # fmt: skip
     """Serves until SIGINT/SIGTERM: then stops taking requests (503), lets in-flight ones finish for a few
     seconds, aborts the rest, stops the engine (and its pipeline stages) and releases the port. If the engine
     dies (a pipeline stage died), in-flight requests get a 503 error, the server shuts down the same way and
@@ -18,7 +21,7 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, served_model_name: str
     from leanserve.server.app import build_app
 
     name = served_model_name or llm.engine.config.model
-    app = build_app(llm, name, api_key)
+    app = build_app(llm, name, api_key, chat_template)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

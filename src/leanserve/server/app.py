@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions (streaming or not),
-/health and /metrics, over one AsyncEngine (one engine loop, continuous batching)."""
+/tokenize and /detokenize (vLLM's shapes), /health and /metrics, over one AsyncEngine (one engine loop,
+continuous batching)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import hmac
 import json
 import logging
 import time
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from leanserve.server import protocol
+from leanserve.chat.template import load_chat_format
+from leanserve.server import chat_api, protocol
 from leanserve.server.async_engine import AsyncEngine, EngineStopped
 from leanserve.server.choice import Choice
 from leanserve.server.metrics import ServerMetrics
@@ -24,43 +25,11 @@ from leanserve.server.protocol import APIError, GenRequest
 logger = logging.getLogger("leanserve")
 
 
-class ChatTemplate:
-    """The tokenizer's chat template (tokenizer_config.json's `chat_template`) when the model has one,
-    otherwise protocol.plain_chat_prompt."""
-
-    def __init__(self, model_dir: str) -> None:
-        self.template = None
-        path = Path(model_dir) / "tokenizer_config.json"
-        if path.is_file():
-            config = json.loads(path.read_text())
-            source = config.get("chat_template")
-            if isinstance(source, str):
-                import jinja2.sandbox
-
-                self.template = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(source)
-                # Special tokens may be plain strings or AddedToken objects ({"content": ...}).
-                self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
-
-    def encode(self, tokenizer, messages: list[dict]) -> list[int]:
-        if tokenizer is None:
-            raise protocol.bad("This model has no tokenizer, so chat messages cannot be encoded.", "messages")
-        if self.template is None:
-            return tokenizer.encode(protocol.plain_chat_prompt(messages))
-        try:
-            text = self.template.render(messages=messages, add_generation_prompt=True, **self.special)
-        except Exception as e:  # jinja2.TemplateError, or the template's own raise_exception()
-            raise protocol.bad(f"The model's chat template rejected the messages: {e}", "messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)  # the template writes its own special tokens
-
-
-def _token_text(value) -> str | None:
-    return value.get("content") if isinstance(value, dict) else value
-
-
-def build_app(llm, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(llm, served_model_name: str, api_key: str | None = None, chat_template: str | None = None) -> FastAPI:
+    """chat_template: a Jinja file that overrides the model's chat format (`chat/template.py`)."""
     engine = llm.engine
     metrics = ServerMetrics(llm)
-    template = ChatTemplate(engine.config.model)
+    fmt = load_chat_format(engine.config.model, engine.tokenizer, chat_template)
     # on_dead: set by `serve` so that a dead engine (e.g. a pipeline stage that died) stops the server.
     state = {"async": None, "shutting_down": False, "on_dead": None}
 
@@ -124,15 +93,32 @@ def build_app(llm, served_model_name: str, api_key: str | None = None) -> FastAP
         card = {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "leanserve"}
         return {"object": "list", "data": [{**card, "max_model_len": engine.max_model_len}]}
 
+    def chat_prompt(body: dict, add_generation_prompt: bool = True, generating: bool = False):
+        """(the prompt's ids, the parsed chat) of a chat request's fields."""
+        if engine.tokenizer is None:
+            raise protocol.bad("This model has no tokenizer, so chat messages cannot be encoded.", "messages")
+        chat = chat_api.parse_chat(body, fmt)
+        if generating and fmt.structured and chat.messages[-1]["role"] not in ("user", "tool"):
+            raise protocol.bad(
+                "The last message must be a user or tool message: DeepSeek-V4's format answers those "
+                "(continuing an assistant message is not supported).", "messages",
+            )  # fmt: skip
+        try:
+            return fmt.encode(engine.tokenizer, chat, add_generation_prompt), chat
+        except ValueError as e:
+            raise protocol.bad(str(e), "messages") from None
+
     async def generate(request: Request, chat: bool):
         check_auth(request)
         async_engine = check_open()
         body = protocol.parse_json(await request.body())
+        inputs = []  # the chat's parsed fields, when chat
         req = protocol.parse_request(
             body, chat=chat, served=[served_model_name], max_model_len=engine.max_model_len,
-            tokenizer=engine.tokenizer, chat_prompt=lambda m: template.encode(engine.tokenizer, m),
+            vocab_size=engine.model_config.vocab_size, tokenizer=engine.tokenizer, chat_prompt=lambda b: inputs.append(chat_prompt(b, generating=True)) or inputs[-1][0],
         )  # fmt: skip
-        jobs = []
+        structured = chat and fmt.structured  # the output is parsed into reasoning, content and tool calls
+        jobs, parsers = [], {}
         for p_index, prompt in enumerate(req.prompts):
             max_tokens = req.max_tokens or engine.max_model_len - len(prompt)
             for i in range(req.n):
@@ -142,13 +128,21 @@ def build_app(llm, served_model_name: str, api_key: str | None = None) -> FastAP
                     engine.check_request(prompt, params)
                 except ValueError as e:
                     raise protocol.bad(str(e), "messages" if chat else "prompt") from None
-                choice = Choice(p_index * req.n + i, len(prompt), req.stop, engine.tokenizer)
+                index = p_index * req.n + i
+                if structured:  # markup tokens stay in the text for the parser; the finishing EOS does not
+                    parsers[index] = chat_api.new_parser(inputs[0][1], fmt)
+                    extra = {"keep_special": True, "drop_ids": frozenset(engine.eos_token_ids)}
+                else:
+                    extra = {}
+                choice = Choice(index, len(prompt), req.stop, engine.tokenizer, **extra)
                 jobs.append((choice, async_engine.generate(prompt, params)))
         metrics.prompt_tokens(sum(len(p) for p in req.prompts))
         path = request.url.path
+        thinking = structured and inputs[0][1].thinking
         if req.stream:
-            return StreamingResponse(_stream(req, jobs, metrics, path), media_type="text/event-stream")
-        return await _complete(request, req, jobs, metrics, path)
+            stream = _stream(req, jobs, parsers, thinking, metrics, path)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return await _complete(request, req, jobs, parsers, thinking, metrics, path)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -157,6 +151,47 @@ def build_app(llm, served_model_name: str, api_key: str | None = None) -> FastAP
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's shape: {"model", "prompt"} or {"model", "messages", ...} -> {"tokens", "count", "max_model_len"}."""
+        check_auth(request)
+        body = protocol.parse_json(await request.body())
+        protocol.check_model(body, [served_model_name])
+        chat = "messages" in body
+        known = {"model", "return_token_strs"} | (
+            {"messages", "add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice", "reasoning_effort"}
+            if chat
+            else {"prompt", "add_special_tokens"}
+        )
+        protocol.refuse_unknown(body, known)
+        if engine.tokenizer is None:
+            raise protocol.bad("This model has no tokenizer.", "messages" if chat else "prompt")
+        if chat:
+            tokens, _ = chat_prompt(body, protocol.read_bool(body, "add_generation_prompt", True))
+        elif isinstance(body.get("prompt"), str):
+            tokens = engine.tokenizer.encode(body["prompt"], protocol.read_bool(body, "add_special_tokens", True))
+        else:
+            raise protocol.bad("'prompt' (a string) or 'messages' is required.", "prompt")
+        out = {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+        if protocol.read_bool(body, "return_token_strs", False):
+            out["token_strs"] = [engine.tokenizer.id_to_token(t) for t in tokens]
+        metrics.request_done("/tokenize", 200)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """{"model", "tokens"} -> {"prompt"}: the text of the ids, special tokens included."""
+        check_auth(request)
+        body = protocol.parse_json(await request.body())
+        protocol.check_model(body, [served_model_name])
+        protocol.refuse_unknown(body, {"model", "tokens"})
+        tokens = body.get("tokens")
+        vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else 0
+        if not isinstance(tokens, list) or not all(protocol.is_token(t) and 0 <= t < vocab for t in tokens):
+            raise protocol.bad(f"'tokens' must be a list of token ids in [0, {vocab}).", "tokens")
+        metrics.request_done("/detokenize", 200)
+        return {"prompt": engine.tokenizer.decode(tokens, skip_special_tokens=False)}
 
     return app
 
@@ -184,11 +219,13 @@ def _usage(req: GenRequest, choices: list[Choice]) -> dict:
     return protocol.usage(sum(len(p) for p in req.prompts), sum(len(c.token_ids) for c in choices))
 
 
-def _finish(choice: Choice) -> str:
+def _finish(choice: Choice, called_tools: bool = False) -> str:
+    if called_tools:
+        return "tool_calls"
     return "length" if choice.finish_reason == "length" else "stop"
 
 
-async def _complete(request: Request, req: GenRequest, jobs, metrics: ServerMetrics, path: str):
+async def _complete(request: Request, req: GenRequest, jobs, parsers: dict, thinking: bool, metrics, path: str):
     texts: dict[int, list[str]] = {c.index: [] for c, _ in jobs}
     entries: dict[int, list[dict]] = {c.index: [] for c, _ in jobs}
 
@@ -218,7 +255,14 @@ async def _complete(request: Request, req: GenRequest, jobs, metrics: ServerMetr
     out_choices = []
     for c in choices:
         text = "".join(texts[c.index])
-        if req.chat:
+        if c.index in parsers:  # reasoning, content and tool calls parsed out of the text
+            parser = parsers[c.index]
+            parser.feed(text)
+            parser.finish()
+            message = chat_api.message(parser, thinking)
+            item = {"index": c.index, "message": message, "finish_reason": _finish(c, bool(parser.tool_calls))}
+            item["logprobs"] = protocol.chat_logprobs(entries[c.index]) if req.logprobs is not None else None
+        elif req.chat:
             item = {"index": c.index, "message": {"role": "assistant", "content": text}, "finish_reason": _finish(c)}
             item["logprobs"] = protocol.chat_logprobs(entries[c.index]) if req.logprobs is not None else None
         else:
@@ -236,7 +280,7 @@ async def _complete(request: Request, req: GenRequest, jobs, metrics: ServerMetr
     }
 
 
-async def _stream(req: GenRequest, jobs, metrics: ServerMetrics, path: str):
+async def _stream(req: GenRequest, jobs, parsers: dict, thinking: bool, metrics: ServerMetrics, path: str):
     obj = "chat.completion.chunk" if req.chat else "text_completion"
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -244,8 +288,8 @@ async def _stream(req: GenRequest, jobs, metrics: ServerMetrics, path: str):
         payload = {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": choices}
         return f"data: {json.dumps({**payload, **extra})}\n\n"
 
-    async def forward(choice, text, entries):
-        await queue.put((choice, text, entries))
+    async def forward(choice, text, entries):  # whether this delta ended the choice: read now, not when sent
+        await queue.put((choice, text, entries, choice.done))
 
     async def run_all():
         try:
@@ -269,9 +313,23 @@ async def _stream(req: GenRequest, jobs, metrics: ServerMetrics, path: str):
                 ]
             )
         offsets = {c.index: 0 for c, _ in jobs}
+        call_ids: dict[int, list[str]] = {i: [] for i in parsers}
         while (item := await queue.get()) is not None:
-            choice, text, entries = item
-            finish = _finish(choice) if choice.done else None
+            choice, text, entries, done = item
+            finish = _finish(choice) if done else None
+            if choice.index in parsers:  # the parser's deltas: reasoning, content, tool-call fragments
+                parser, ids = parsers[choice.index], call_ids[choice.index]
+                deltas = [parser.feed(text)] + ([parser.finish()] if done else [])
+                fields = [chat_api.delta_fields(d, ids) for d in deltas]
+                finish = _finish(choice, bool(ids)) if done else None
+                for i, delta in enumerate(fields):
+                    last = i == len(fields) - 1
+                    if delta or (last and (finish is not None or entries)):
+                        piece = {"index": choice.index, "delta": delta, "finish_reason": finish if last else None}
+                        show = last and req.logprobs is not None
+                        piece["logprobs"] = protocol.chat_logprobs(entries) if show else None
+                        yield chunk([piece])
+                continue
             if not text and not entries and finish is None:
                 continue
             if req.chat:

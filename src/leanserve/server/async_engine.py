@@ -1,9 +1,18 @@
-"""One engine loop for many clients: LLMEngine steps run on a dedicated thread; requests from the asyncio
-side join the running batch (continuous batching) and receive their tokens through per-request queues.
+"""One engine loop for many clients, stepped on the server's own event loop: requests join the running batch
+(continuous batching) and receive their tokens through per-request queues.
 
-The loop never waits on a reader: it hands each step's tokens to the event loop with call_soon_threadsafe
-and goes on. The HTTP side never blocks the loop: adding and aborting requests are messages it picks up
-between steps.
+Why on the event loop and not on a thread of its own: the HTTP side's work per token is small, but from a
+thread of its own each token cost a cross-thread wake-up, and every system call of the event loop (its
+select, the socket writes) handed the GIL back and forth with the engine thread, each hand-off a context
+switch and each competing with the engine's kernels for the cores: streaming cost 1.2-1.5x the engine's
+own step per token. Here a step runs, then the event loop gets a few turns to carry its tokens to the
+sockets and to take new requests and disconnects; then the next step. A client's socket never blocks a step
+(writes are buffered).
+
+A request's tokens are handed on at most every `stream_interval` seconds (its first at once, its last with
+the finish): when steps are faster than that, a delta carries several steps' tokens, so the cost of a chunk
+(the response's generator, JSON, a socket write and the client's wake-up) is shared by the tokens in it.
+A consumer that falls behind also gets its waiting deltas merged into one.
 """
 
 from __future__ import annotations
@@ -35,9 +44,9 @@ class Delta:
 
 @dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    seq_id: int | None = None  # set by the loop thread when the request is added
+    held: list[SampledToken] = field(default_factory=list)  # tokens not yet handed on
+    sent_at: float | None = None  # when tokens were last handed on
 
 
 class EngineStopped(RuntimeError):
@@ -45,38 +54,43 @@ class EngineStopped(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step=None, on_dead=None) -> None:
+    # Turns of the event loop after a step that handed tokens on: they go from the request's queue through a
+    # few task hops (the choice, the response's generator, the socket write) before the next step starts.
+    # After a step that did not, one turn takes new requests and disconnects.
+    TURNS_PER_STEP = 4
+
+    def __init__(self, engine: LLMEngine, on_step=None, on_dead=None, stream_interval: float = 0.01) -> None:
         self.engine = engine
-        self.on_step = on_step  # called on the loop thread after every step (metrics)
-        self.on_dead = on_dead  # called on the loop thread with the reason if the engine cannot go on
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.on_step = on_step  # called after every step (metrics)
+        self.on_dead = on_dead  # called with the reason if the engine cannot go on
+        self.stream_interval = stream_interval
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # messages from other threads ("stop")
         self._streams: dict[int, _Stream] = {}
         self._stopping = False
         self.dead: str | None = None
-        self._thread = threading.Thread(target=self._run, name="leanserve-engine", daemon=True)
-        self._thread.start()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._ended = threading.Event()  # set when the stepping task has ended
 
-    # --- the asyncio side ---------------------------------------------------------------------------
+    # --- the requests -------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
-        """Yields the request's tokens as they come; aborts the request if the caller stops iterating
-        (a client that went away), so its cache slot is freed at once."""
+        """Yields the request's tokens as they come, in deltas of one or more tokens; aborts the request if
+        the caller stops iterating (a client that went away), so its cache slot is freed at once. A bad
+        request raises ValueError naming the problem."""
         if self.dead or self._stopping:
             raise EngineStopped(self.dead or "the server is shutting down")
-        # A bad request comes back from add_request as a ValueError naming the problem.
-        stream = _Stream(asyncio.get_running_loop())
-        reply: asyncio.Future = stream.loop.create_future()
-        self._inbox.put(("add", prompt_token_ids, params, stream, reply))
-        try:
-            seq_id = await reply
-        except asyncio.CancelledError:  # the client left before the loop took the request: undo the add
-            self._inbox.put(("abort_stream", stream))
-            raise
-        if isinstance(seq_id, Exception):
-            raise seq_id
+        self._start()
+        seq_id = self.engine.add_request(prompt_token_ids, params)
+        stream = self._streams[seq_id] = _Stream()
+        self._wake.set()
         finished = False
         try:
             while True:
                 delta: Delta = await stream.queue.get()
+                while delta.finish_reason is None and not stream.queue.empty():  # the caller is behind
+                    more: Delta = stream.queue.get_nowait()
+                    delta = Delta(delta.tokens + more.tokens, more.finish_reason, more.error)
                 if delta.error is not None:
                     raise EngineStopped(delta.error)
                 finished = delta.finish_reason is not None
@@ -84,98 +98,95 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if not finished:
-                self._inbox.put(("abort", seq_id))
+            if not finished and self._streams.pop(seq_id, None) is not None:
+                self.engine.abort(seq_id)
 
     def stop(self) -> None:
-        """Ends every request (finish_reason "abort"), stops the loop thread and the engine's stages."""
+        """Ends every request (finish_reason "abort"), stops stepping and the engine's stages. From any thread;
+        from another one than the event loop's, it waits for the current step to end."""
         self._stopping = True
-        self._inbox.put(("stop",))
-        self._thread.join()  # the loop ends after its current step; the executor is not shared meanwhile
+        task, loop = self._task, self._loop
+        if task is not None and not task.done() and loop is not None and not loop.is_closed():
+            if loop.is_running() and not _on_thread_of(loop):  # it ends the requests after its current step
+                self._inbox.put(("stop",))
+                with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                    loop.call_soon_threadsafe(self._wake.set)
+                while not self._ended.wait(0.1) and loop.is_running():
+                    pass
+            else:  # the stepping task is not running (this code runs): end it here
+                self._end_all("abort")
+                task.cancel()
         self.engine.shutdown()
 
-    # --- the loop thread ----------------------------------------------------------------------------
-    def _run(self) -> None:
+    # --- stepping -----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is not None and not self._task.done():
+            if self._loop is not loop:
+                raise RuntimeError("an AsyncEngine serves one event loop at a time")
+            return
+        self._loop, self._wake = loop, asyncio.Event()
+        self._ended.clear()
+        self._task = loop.create_task(self._run(), name="leanserve-engine")
+
+    async def _run(self) -> None:
         try:
             while True:
-                # Idle: block until a message arrives. Busy: take what has arrived and step.
-                block = not self.engine.has_unfinished
-                while True:
-                    try:
-                        msg = self._inbox.get(block=block, timeout=None if block else 0)
-                    except queue.Empty:
-                        break
-                    if msg[0] == "stop":
+                while not self._inbox.empty():
+                    if self._inbox.get_nowait()[0] == "stop":
                         self._end_all("abort")
-                        self._refuse_pending("the server is shutting down")
                         return
-                    self._handle(msg)
-                    block = False
-                if self.engine.has_unfinished:
-                    self._step()
+                if not self.engine.has_unfinished:  # idle: until a request arrives
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                handed_on = self._step()
+                for _ in range(self.TURNS_PER_STEP if handed_on else 1):
+                    await asyncio.sleep(0)
+        except asyncio.CancelledError:  # the event loop is closing
+            self._end_all("abort")
+            raise
         except Exception as e:  # the engine cannot go on (e.g. a pipeline stage died): tell every request
             logger.exception("engine loop stopped")
             self.dead = f"the engine stopped: {e}"
-            for stream in list(self._streams.values()):
-                _post(stream.loop, stream.queue.put_nowait, Delta([], "abort", self.dead))
+            for stream in self._streams.values():
+                stream.queue.put_nowait(Delta([], "abort", self.dead))
             self._streams.clear()
-            self._refuse_pending(self.dead)
             if self.on_dead is not None:
                 self.on_dead(self.dead)
+        finally:
+            self._ended.set()
 
-    def _refuse_pending(self, reason: str) -> None:
-        # Requests still in the inbox get an answer (EngineStopped) rather than waiting for ever.
-        while True:
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if msg[0] == "add":
-                stream, reply = msg[3], msg[4]
-                _post(stream.loop, _resolve, reply, EngineStopped(reason))
-
-    def _handle(self, msg) -> None:
-        if msg[0] == "add":
-            _, ids, params, stream, reply = msg
-            try:
-                seq_id = self.engine.add_request(ids, params)
-            except ValueError as e:
-                _post(stream.loop, _resolve, reply, e)
-                return
-            self._streams[seq_id] = stream
-            stream.seq_id = seq_id
-            _post(stream.loop, _resolve, reply, seq_id)
-        elif msg[0] in ("abort", "abort_stream"):
-            seq_id = msg[1] if msg[0] == "abort" else msg[1].seq_id
-            if seq_id is not None and self._streams.pop(seq_id, None) is not None:
-                self.engine.abort(seq_id)
-
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; hands on the tokens that are due. Whether it handed any on."""
         start = time.perf_counter()
-        for update in self.engine.step():
-            seq_id = update.seq.seq_id
-            stream = self._streams.get(seq_id)
+        updates = self.engine.step()
+        now = time.perf_counter()
+        handed_on = False
+        for update in updates:
+            stream = self._streams.get(update.seq.seq_id)
             if stream is None:
                 continue
-            _post(stream.loop, stream.queue.put_nowait, Delta(list(update.new_tokens), update.finish_reason))
+            stream.held += update.new_tokens
+            due = stream.held and (stream.sent_at is None or now - stream.sent_at >= self.stream_interval)
+            if update.finished or due:
+                stream.queue.put_nowait(Delta(stream.held, update.finish_reason))
+                stream.held, stream.sent_at, handed_on = [], now, True
             if update.finished:
-                del self._streams[seq_id]
+                del self._streams[update.seq.seq_id]
         if self.on_step is not None:
-            self.on_step(time.perf_counter() - start)
+            self.on_step(now - start)
+        return handed_on
 
     def _end_all(self, reason: str) -> None:
         for seq_id, stream in list(self._streams.items()):
             self.engine.abort(seq_id)
-            _post(stream.loop, stream.queue.put_nowait, Delta([], reason))
+            stream.queue.put_nowait(Delta(stream.held, reason))
         self._streams.clear()
 
 
-def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    # Hands a callback to the caller's event loop; a loop that has closed meanwhile has nobody to tell.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(fn, *args)
-
-
-def _resolve(future: asyncio.Future, value) -> None:
-    if not future.done():
-        future.set_result(value)
+def _on_thread_of(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

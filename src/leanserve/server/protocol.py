@@ -1,8 +1,9 @@
 """OpenAI request parsing and validation, and the response shapes.
 
 Requests are parsed by hand rather than by a schema library so that every problem becomes one 400 in
-OpenAI's error shape naming the field (`{"error": {"message", "type", "param", "code"}}`). Unknown fields are
-ignored, as OpenAI does.
+OpenAI's error shape naming the field (`{"error": {"message", "type", "param", "code"}}`). Every field is
+honoured or refused: a field this server does not know, or one whose value it cannot honour
+(`response_format` other than text, `best_of` other than n, `suffix`), is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ MAX_N = 16
 MAX_STOP = 4
 MAX_LOGPROBS = 20
 MAX_BODY_BYTES = 4 * 1024 * 1024
+
+# The fields each endpoint knows; `user` (the caller's end-user id, for their own records) has no effect.
+COMMON_FIELDS = frozenset(
+    {"model", "max_tokens", "n", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stream", "stream_options",
+     "stop", "logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "user"}
+)  # fmt: skip
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "chat_template_kwargs", "reasoning_effort", "response_format",
+}  # fmt: skip
+HINTS = {"functions": "use 'tools'", "function_call": "use 'tools' and 'tool_choice'"}
 
 
 class APIError(Exception):
@@ -77,7 +90,7 @@ def _num(body: dict, name: str, default: float, lo: float, hi: float, lo_open: b
     return float(value)
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
+def read_bool(body: dict, name: str, default: bool) -> bool:
     value = body.get(name, default)
     if value is None:
         return default
@@ -104,9 +117,7 @@ class GenRequest:
     id: str = ""
 
 
-def parse_request(
-    body: dict, *, chat: bool, served: list[str], max_model_len: int, tokenizer, chat_prompt
-) -> GenRequest:
+def check_model(body: dict, served: list[str]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required and must be a string.", "model")
@@ -114,7 +125,22 @@ def parse_request(
         raise APIError(
             404, f"The model '{model}' does not exist; this server serves {served}.", "model", code="model_not_found"
         )
-    prompts = [chat_prompt(_messages(body))] if chat else _prompts(body, tokenizer)
+    return model
+
+
+def refuse_unknown(body: dict, known) -> None:
+    for name in body:
+        if name not in known:
+            hint = f"; {HINTS[name]}" if name in HINTS else ""
+            raise bad(f"'{name}' is not supported by this server{hint}.", name)
+
+
+def parse_request(
+    body: dict, *, chat: bool, served: list[str], max_model_len: int, vocab_size: int, tokenizer, chat_prompt
+) -> GenRequest:
+    model = check_model(body, served)
+    _refuse_what_cannot_be_honoured(body, chat)
+    prompts = [chat_prompt(body)] if chat else _prompts(body, tokenizer)
     for p in prompts:
         if not p:
             raise bad("The prompt is empty; give at least one token.", "messages" if chat else "prompt")
@@ -132,17 +158,18 @@ def parse_request(
     top_p = _num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = _int(body, "top_k", 0, -1)
     seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
-    ignore_eos = _bool(body, "ignore_eos", False)
-    stream = _bool(body, "stream", False)
-    if _bool(body, "echo", False):
+    ignore_eos = read_bool(body, "ignore_eos", False)
+    stream = read_bool(body, "stream", False)
+    if read_bool(body, "echo", False):
         raise bad("'echo' is not supported by this server.", "echo")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if _num(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise bad(f"'{name}' is not supported by this server; leave it at 0.", name)
+    penalties = {name: _num(body, name, 0.0, -2.0, 2.0) for name in ("frequency_penalty", "presence_penalty")}
+    penalties["repetition_penalty"] = _num(body, "repetition_penalty", 1.0, 0.0, math.inf, lo_open=True)
+    logit_bias = _logit_bias(body.get("logit_bias"), vocab_size)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad("'stream_options' must be an object.", "stream_options")
-    include_usage = _bool(options or {}, "include_usage", False)
+    refuse_unknown(options or {}, {"include_usage"})
+    include_usage = read_bool(options or {}, "include_usage", False)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -155,7 +182,7 @@ def parse_request(
     if any(s == "" for s in stop):
         raise bad("'stop' strings must not be empty.", "stop")
     if chat:
-        want = _bool(body, "logprobs", False)
+        want = read_bool(body, "logprobs", False)
         top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
         if top is not None and not want:
             raise bad("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
@@ -165,7 +192,7 @@ def parse_request(
     try:
         params = SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens or 1,
-            ignore_eos=ignore_eos, logprobs=logprobs,
+            ignore_eos=ignore_eos, logprobs=logprobs, logit_bias=logit_bias, **penalties,
         )  # fmt: skip
     except ValueError as e:
         raise bad(str(e)) from None
@@ -176,13 +203,47 @@ def parse_request(
     )  # fmt: skip
 
 
+def _refuse_what_cannot_be_honoured(body: dict, chat: bool) -> None:
+    refuse_unknown(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad('\'response_format\' other than {"type": "text"} is not supported yet.', "response_format")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != (body.get("n") or 1):
+        raise bad("'best_of' is not supported: every generated choice is returned ('n').", "best_of")
+    if body.get("suffix"):
+        raise bad("'suffix' is not supported: this model does not fill in the middle.", "suffix")
+
+
+def _logit_bias(value, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} with biases in [-100, 100]; ids as JSON object keys, so strings."""
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise bad("'logit_bias' must be an object of token ids to biases.", "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad(f"'logit_bias' keys must be token ids, got {json.dumps(key)[:40]}.", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise bad(
+                f"'logit_bias' token id {token} is outside this model's vocabulary of {vocab_size}.", "logit_bias"
+            )
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {json.dumps(bias)[:40]}.", "logit_bias")
+        out[token] = float(bias)
+    return out
+
+
 def _prompts(body: dict, tokenizer) -> list[list[int]]:
     prompt = body.get("prompt")
     if prompt is None:
         raise bad("'prompt' is required.", "prompt")
     if isinstance(prompt, str):
         prompt = [prompt]
-    if isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_token(t) for t in prompt):
         return [list(prompt)]
     if not isinstance(prompt, list) or not prompt:
         raise bad("'prompt' must be a string, a list of strings, or token ids.", "prompt")
@@ -194,38 +255,15 @@ def _prompts(body: dict, tokenizer) -> list[list[int]]:
             if tokenizer is None:
                 raise bad("This model has no tokenizer; send token ids as the prompt.", "prompt")
             out.append(tokenizer.encode(p))
-        elif isinstance(p, list) and all(_is_token(t) for t in p):
+        elif isinstance(p, list) and all(is_token(t) for t in p):
             out.append(list(p))
         else:
             raise bad("'prompt' must be a string, a list of strings, or token ids.", "prompt")
     return out
 
 
-def _is_token(t) -> bool:
+def is_token(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
-
-
-def _messages(body: dict) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("'messages' is required and must be a non-empty list.", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}] must be an object.", "messages")
-        role, content = m.get("role"), m.get("content")
-        if role not in ("system", "user", "assistant", "developer", "tool"):
-            raise bad(f"messages[{i}].role must be system, user, assistant, developer or tool.", "messages")
-        if isinstance(content, list):  # content parts: keep the text ones
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-            ):
-                raise bad(f"messages[{i}].content parts must be text parts.", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise bad(f"messages[{i}].content must be a string.", "messages")
-        out.append({"role": role, "content": content})
-    return out
 
 
 # --- response pieces --------------------------------------------------------------------------------
@@ -261,9 +299,3 @@ def chat_logprobs(entries: list[dict]) -> dict:
             for e in entries
         ]
     }
-
-
-def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
-    """The documented fallback when the model directory has no chat template:
-    "<role>: <content>\\n" per message, then "assistant:"."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
