@@ -220,6 +220,35 @@ def test_bench_throughput_compares_both_engines(tmp_path, capsys):
         assert 0 <= r["identical_sequences"] <= r["batch_size"]
 
 
+def test_bench_serve_vs_engine_puts_the_server_beside_the_engine(capsys):
+    shipped = Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-12l"  # (a tokenizer: code prompts)
+    args = ["--log-level", "warning", "bench", "serve", "--vs-engine", "--model", str(shipped), "--max-tokens", "12"]
+    assert main([*args, "--prompt-len", "8", "--repeats", "1", "--output", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["arm"] for r in rows] == [
+        "engine: LLM.generate",
+        "server: /v1/completions stream",
+        "server: /v1/chat/completions stream",
+    ]
+    engine = rows[0]
+    for r in rows:
+        assert set(r) == {
+            "arm", "tokens", "repeats", "ms_per_token", "ratio", "first_quarter_ms", "last_quarter_ms", "same_text",
+        }  # fmt: skip
+        assert r["tokens"] == 12 and r["repeats"] == 1 and r["ms_per_token"] > 0
+        assert r["ratio"] == pytest.approx(r["ms_per_token"] / engine["ms_per_token"], rel=0.01)
+    assert engine["ratio"] == 1.0
+    assert rows[1]["same_text"] is True  # greedy, the same prompt: the server streams the engine's text
+    # The table: a column per figure, a line per arm.
+    assert main([*args, "--prompt-len", "8", "--repeats", "1"]) == 0
+    header, *lines = capsys.readouterr().out.strip().splitlines()
+    assert header.split() == [
+        "arm", "tokens", "repeats", "ms/token", "vs", "engine", "1st", "quarter", "ms/tok", "last", "quarter", "ms/tok",
+        "same", "text",
+    ]  # fmt: skip
+    assert len(lines) == 3
+
+
 def test_prebuild_compiles_every_format_in_parallel_and_names_a_failure(capsys, monkeypatch):
     # (the kernels are in the cache already when make test runs this: each process loads them)
     assert main(["prebuild", "--jobs", "2"]) == 0
