@@ -2,7 +2,7 @@
 
 from leanserve.llm import LLM
 from leanserve.outputs import CompletionOutput, Logprob, RequestOutput
-from leanserve.sampling_params import SamplingParams
+from leanserve.sampling_params import SamplingParams, StructuredOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

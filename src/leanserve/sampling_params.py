@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -49,14 +50,88 @@ class LogitBias(Mapping[int, float]):
         return LogitBias, (self._bias,)
 
 
+STRUCTURED_KINDS = ("json", "tool_calls")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must be (grammar-constrained decoding, leanserve.structured): small, frozen and
+    hashable, so it travels in the step plan. The engine compiles it when the request is added (a schema that
+    cannot be compiled is a ValueError then) and masks the request's logits with it at every step.
+
+    - kind "json": one JSON value valid against `schema` (JSON text; None = any JSON object). `strict`: a
+      schema keyword the grammar cannot enforce is an error (else it is ignored). OpenAI's `response_format`
+      {"type": "json_object"} is schema None; {"type": "json_schema", ...} its schema and strict.
+    - kind "tool_calls": a DSML tool-call block (DeepSeek-V4's format) calling the OpenAI `tools` (JSON text
+      of the list): exactly one call of `required_name` (tool_choice naming a function), or one or more calls
+      of any of them (None: tool_choice "required"). A function whose "strict" is true has its parameters'
+      schema enforced in full.
+    - `after_think`: thinking mode: the text up to the first `</think>` is free, the constraint starts after it.
+
+    A dict or list is accepted for `schema` / `tools` and kept as its JSON text. The output ends with EOS as
+    soon as the grammar is complete; max_tokens may still cut it short (finish reason "length")."""
+
+    kind: str = "json"
+    schema: str | None = None
+    strict: bool = False
+    tools: str | None = None
+    required_name: str | None = None
+    after_think: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured.kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}.")
+        for name in ("strict", "after_think"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured.{name} must be true or false, got {getattr(self, name)!r}.")
+        schema, tools = _json_text("schema", self.schema), _json_text("tools", self.tools)
+        object.__setattr__(self, "schema", schema)
+        object.__setattr__(self, "tools", tools)
+        if self.kind == "json":
+            if tools is not None or self.required_name is not None:
+                raise ValueError('structured.tools and required_name are for kind "tool_calls", not "json".')
+            if schema is not None and not isinstance(json.loads(schema), dict | bool):
+                raise ValueError("structured.schema must be a JSON schema: an object (or true / false).")
+        else:
+            if schema is not None or self.strict:
+                raise ValueError(
+                    'structured.schema and strict are for kind "json"; a tool\'s own "strict" governs its parameters.'
+                )
+            if tools is None or not isinstance(json.loads(tools), list) or not json.loads(tools):
+                raise ValueError('structured kind "tool_calls" needs tools: a non-empty JSON list of OpenAI tools.')
+            if self.required_name is not None and (not isinstance(self.required_name, str) or not self.required_name):
+                raise ValueError(
+                    f"structured.required_name must be a function name or None, got {self.required_name!r}."
+                )
+
+
+def _json_text(name: str, value: object) -> str | None:
+    """`value` as JSON text (a str is checked to be JSON, a dict or list written as it)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"structured.{name} is not valid JSON text: {e}.") from None
+        return value
+    if isinstance(value, Mapping | list | tuple | bool):
+        try:
+            return json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"structured.{name} cannot be written as JSON: {e}.") from None
+    raise ValueError(f"structured.{name} must be JSON text (or a dict / list), got {type(value).__name__}.")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Logit bias and penalties act as in vLLM (its V1 sampler, in this order): `logit_bias` is added to the
     logits, then `repetition_penalty` (every token of the prompt or the output so far: a logit > 0 divided by
     it, one <= 0 multiplied), `frequency_penalty` (times the token's count in the output so far) and
-    `presence_penalty` (once for a token in the output so far) are subtracted; then temperature, top-k and
-    top-p. Greedy requests take the argmax of the processed logits. Logprobs are those of the raw logits,
-    before any of this, as vLLM reports them by default (its `logprobs_mode="raw_logprobs"`)."""
+    `presence_penalty` (once for a token in the output so far) are subtracted; then a `structured` request's
+    grammar leaves only the tokens it allows (the others -inf); then temperature, top-k and top-p. Greedy
+    requests take the argmax of the processed logits. Logprobs are those of the raw logits, before any of this,
+    as vLLM reports them by default (its `logprobs_mode="raw_logprobs"`)."""
 
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = disabled
@@ -76,6 +151,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of every token already generated
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence of a token already generated
     repetition_penalty: float = 1.0  # > 0: for tokens in the prompt or the output; 1 = off
+    # Grammar-constrained output (JSON, forced tool calls): see StructuredOutput. None = free text.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -117,6 +194,15 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {r!r}.")
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError(
+                    f"structured must be a StructuredOutput or None, got {type(self.structured).__name__}."
+                )
+            if self.ignore_eos:
+                raise ValueError(
+                    "structured output ends with EOS when its grammar is complete; ignore_eos cannot be set."
+                )
 
     @property
     def is_greedy(self) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from leanserve.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from leanserve.engine.grammar import compile_structured, grammar_compiler
 from leanserve.engine.pipeline import LaunchSpec, PipelineDriver, in_torchrun, serve_torchrun_stage, torchrun_rank
 from leanserve.engine.proposers import NgramProposer, Proposer
 from leanserve.engine.runner import SeqOutput, StageRunner, StepPlan
@@ -171,6 +172,9 @@ class LLMEngine:
             for t in params.logit_bias:
                 if t >= vocab:
                     raise ValueError(f"logit_bias token id {t} is out of range for a vocabulary of {vocab}.")
+        if params.structured is not None:  # compiled now (the compiler built when a request first asks)
+            compiler = grammar_compiler(self.config.model, vocab, tuple(self.eos_token_ids))
+            compile_structured(compiler, params.structured)
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from leanserve.config import EngineConfig, ModelConfig
+from leanserve.engine.grammar import GrammarState
 from leanserve.engine.penalties import PenaltyState
 from leanserve.engine.proposers import DraftModelProposer, MTPProposer, ProposeItem
 from leanserve.engine.sampler import Sampler, _is_greedy
@@ -82,6 +83,9 @@ class StepPlan:
     # The rows of the prefill chunks whose requests ask for prompt_logprobs (the last stage takes the head at
     # them too); () when none does, so the others' steps take the head at their sampled rows alone.
     prompt_logprobs: tuple[PromptLogprobSpec, ...] = ()
+    # The seq ids of every running request with structured output (in this plan or not): the last stage keeps
+    # their grammar matchers while they are named. () when no request has it.
+    structured: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -113,7 +117,10 @@ class StepPlan:
                 end = s.start + s.num_tokens
                 following = seq.token_ids_between(end, end + 1)
                 next_tokens.append(following[0] if following else SCORE_ONLY)
-        return cls(tuple(chunks), tuple(rows), tuple(samples), tuple(next_tokens), batch.penalty_slots, tuple(prompt))
+        return cls(
+            tuple(chunks), tuple(rows), tuple(samples), tuple(next_tokens), batch.penalty_slots, tuple(prompt),
+            batch.structured,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,8 @@ class StageRunner:
         self.sampler = Sampler() if layout.is_last else None
         # Per-slot token counts for the penalties: no tensor until a running request has penalties.
         self.penalties = PenaltyState(ledger, config.max_num_seqs, cfg.vocab_size) if layout.is_last else None
+        # Grammar matchers of running requests with structured output: none (nor a compiler) until one comes.
+        self.grammars = GrammarState(config.model, cfg) if layout.is_last else None
         self.proposer = None
         if layout.is_last and spec is not None and spec.method in ("mtp", "draft_model"):
             common = dict(k=num_spec, num_slots=config.max_num_seqs, sampler=self.sampler, ledger=ledger)
@@ -292,6 +301,7 @@ class StageRunner:
         # The head at the sampled rows, and only for requests asking for prompt logprobs at their prompt rows.
         prompt = self._prompt_logprobs(out, plan.prompt_logprobs) if plan.prompt_logprobs else {}
         self.penalties.begin(plan.penalty_slots, plan.chunks, plan.samples)
+        self.grammars.begin(plan.structured, plan.samples)
         tokens = self._verify(self.model.head_logits(out[fb.logits_index]), plan.samples) if plan.samples else {}
         drafts = self._propose(plan, tokens) if propose and self.proposer is not None else {}
         outputs = {
@@ -354,8 +364,11 @@ class StageRunner:
                 slots.append(s.slot)
                 cols.append(min(j, self.proposer.k - 1) if self.proposer is not None else 0)
         seeds_t, steps_t = torch.tensor(seeds, dtype=torch.long), torch.tensor(steps, dtype=torch.long)
-        raw = logits  # logprobs are the raw logits' (vLLM's default); bias and penalties change what is sampled
+        # Logprobs are the raw logits' (vLLM's default); bias, penalties and grammars change what is sampled.
+        raw = logits
         logits = self.penalties.process(logits, samples)
+        if self.grammars.matchers:  # (constrained rows: their grammar's mask, after bias and penalties)
+            logits = self.grammars.mask(logits, samples)
         if len(params) == len(samples):  # no drafts: plain sampling
             final, _ = self.sampler.sample(logits, params, seeds_t, steps_t)
             accepted = [False] * len(params)
@@ -389,6 +402,7 @@ class StageRunner:
             result[s.seq_id] = tuple(emitted)
             row += len(s.drafts) + 1
         self.penalties.record(samples, result)
+        self.grammars.record(samples, result)
         return result
 
     def _propose(self, plan: StepPlan, tokens: dict[int, tuple[SampledToken, ...]]) -> dict[int, tuple[int, ...]]:

@@ -46,6 +46,9 @@ class ScheduledBatch:
     # The slots of every running request with presence / frequency / repetition penalties, this batch's or
     # not (the last stage keeps their token counts while this is not empty); () when no request has them.
     penalty_slots: tuple[int, ...] = ()
+    # The seq ids of every running request with structured output, this batch's or not (the last stage keeps
+    # their grammar matchers while it names them); () when no request has it.
+    structured: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class Scheduler:
         self._running: list[Sequence] = []  # in the order they started running
         self._live: dict[int, Sequence] = {}  # seq_id -> every waiting or running sequence
         self._penalty_slots: set[int] = set()  # slots of running sequences with penalties
+        self._structured: set[int] = set()  # seq ids of running sequences with structured output
 
     @property
     def has_unfinished(self) -> bool:
@@ -163,11 +167,14 @@ class Scheduler:
             self._running.append(seq)
             if seq.params.has_penalties:
                 self._penalty_slots.add(seq.slot)
+            if seq.params.structured is not None:
+                self._structured.add(seq.seq_id)
             budget -= self._take(seq, budget, out)
         if not out:
             return None
         penalty_slots = tuple(sorted(self._penalty_slots)) if self._penalty_slots else ()
-        return ScheduledBatch(seqs=tuple(out), num_tokens=total - budget, penalty_slots=penalty_slots)
+        structured = tuple(sorted(self._structured)) if self._structured else ()
+        return ScheduledBatch(tuple(out), total - budget, penalty_slots, structured)
 
     def update(
         self, batch: ScheduledBatch, outputs: dict[int, SeqOutput], proposer: Proposer | None = None
@@ -272,6 +279,7 @@ class Scheduler:
         seq.finish_reason = reason
         if seq.slot is not None:
             self._penalty_slots.discard(seq.slot)
+            self._structured.discard(seq.seq_id)
             self.slots.free(seq.slot)
             seq.slot = None
         del self._live[seq.seq_id]
