@@ -91,16 +91,22 @@ def test_thinking_chat_streams_what_it_returns(server):
 
 
 REFUSED = [
-    ("chat", {"tool_choice": "required", "tools": [WEATHER]}, "tool_choice"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tool_choice": {"type": "function", "function": {"name": "search"}}, "tools": [WEATHER]}, "tool_choice"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format"),
     (
         "chat",
-        {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "tools": [WEATHER]},
-        "tool_choice",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "whatever"}, "strict": True},
+            }
+        },
+        "response_format",
     ),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     (
         "chat",
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+        {"response_format": {"type": "json_object"}, "tool_choice": "required", "tools": [WEATHER]},
         "response_format",
     ),
     ("chat", {"functions": [WEATHER["function"]]}, "functions"),
@@ -113,7 +119,6 @@ REFUSED = [
     ),
     ("chat", {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}, "chat_template_kwargs"),
     ("chat", {"extra_body": {"min_p": 0.1}}, "min_p"),
-    ("chat", {"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]}, "tools"),
     (
         "chat",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -160,6 +165,77 @@ def test_logit_bias_and_penalties_are_honoured(server):
 
 def server_text(server, tokens: list[int]) -> str:
     return post(server, "/detokenize", {"model": NAME, "tokens": tokens})[1]["prompt"]
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "languages": {"type": "array", "items": {"enum": ["python", "c", "rust"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "languages"],
+    "additionalProperties": False,
+}
+
+
+def test_a_json_schema_response_always_validates(server):
+    import jsonschema
+
+    client = server.client()
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    messages = [{"role": "user", "content": "Describe a programmer as JSON."}]
+    for seed in range(6):  # sampled at temperature 1: a model that never learned JSON still writes valid JSON
+        out = client.chat.completions.create(
+            model=NAME, messages=messages, response_format=response_format, seed=seed, max_tokens=120
+        )
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    out = client.chat.completions.create(
+        model=NAME, messages=messages, response_format={"type": "json_object"}, temperature=0, max_tokens=120
+    )
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+# Bounded values, so that a model that never learned the format still finishes its call within max_tokens.
+BOUNDED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object",
+        "properties": {"location": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["location"], "additionalProperties": False,
+    }}},
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object",
+        "properties": {"query": {"type": "string", "maxLength": 16}, "num_results": {"type": "integer", "maximum": 9}},
+        "required": ["query"], "additionalProperties": False,
+    }}},
+]  # fmt: skip
+
+
+def test_a_forced_tool_call_names_the_function_and_its_arguments_validate(server):
+    import jsonschema
+
+    client = server.client()
+    messages = [{"role": "user", "content": "What's the weather in Beijing?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed, choice in [(0, named), (1, named), (2, "required"), (3, "required")]:
+        out = client.chat.completions.create(
+            model=NAME, messages=messages, tools=BOUNDED_TOOLS, tool_choice=choice, seed=seed, max_tokens=200
+        )
+        first = out.choices[0]
+        assert first.finish_reason == "tool_calls" and first.message.tool_calls, first.message
+        for call in first.message.tool_calls:
+            tool = next(t for t in BOUNDED_TOOLS if t["function"]["name"] == call.function.name)
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        if choice is named:
+            assert [c.function.name for c in first.message.tool_calls] == ["get_weather"]
+    stream = client.chat.completions.create(
+        model=NAME, messages=messages, tools=BOUNDED_TOOLS, tool_choice=named, seed=0, max_tokens=200, stream=True
+    )
+    calls = [d for c in stream if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert calls[0].function.name == "get_weather"
+    arguments = "".join(d.function.arguments for d in calls)
+    jsonschema.validate(json.loads(arguments), BOUNDED_TOOLS[0]["function"]["parameters"])
 
 
 # --- scripted output: the model's tokens are given, the rest is the real server ----------------------------

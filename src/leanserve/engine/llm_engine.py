@@ -158,6 +158,12 @@ class LLMEngine:
             torch.set_num_threads(self._threads_before)
 
     # --- requests -------------------------------------------------------------------------------------
+    def check_structured(self, spec) -> None:
+        """Compiles a StructuredOutput now (the compiler built when a request first asks): ValueError naming
+        what cannot be compiled."""
+        compiler = grammar_compiler(self.config.model, self.model_config.vocab_size, tuple(self.eos_token_ids))
+        compile_structured(compiler, spec)
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError naming the problem; changes nothing."""
         if not isinstance(params, SamplingParams):
@@ -172,9 +178,8 @@ class LLMEngine:
             for t in params.logit_bias:
                 if t >= vocab:
                     raise ValueError(f"logit_bias token id {t} is out of range for a vocabulary of {vocab}.")
-        if params.structured is not None:  # compiled now (the compiler built when a request first asks)
-            compiler = grammar_compiler(self.config.model, vocab, tuple(self.eos_token_ids))
-            compile_structured(compiler, params.structured)
+        if params.structured is not None:
+            self.check_structured(params.structured)
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

@@ -118,6 +118,12 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, chat_temp
             vocab_size=engine.model_config.vocab_size, tokenizer=engine.tokenizer, chat_prompt=lambda b: inputs.append(chat_prompt(b, generating=True)) or inputs[-1][0],
         )  # fmt: skip
         structured = chat and fmt.structured  # the output is parsed into reasoning, content and tool calls
+        if chat and (spec := chat_api.structured_output(body, inputs[0][1])) is not None:
+            try:  # the grammar compiled now: a schema it cannot take is a 400 before anything is queued
+                engine.check_structured(spec)
+                req.params = dataclasses.replace(req.params, structured=spec)
+            except ValueError as e:
+                raise protocol.bad(str(e), "response_format" if spec.kind == "json" else "tools") from None
         jobs, parsers = [], {}
         for p_index, prompt in enumerate(req.prompts):
             max_tokens = req.max_tokens or engine.max_model_len - len(prompt)

@@ -16,6 +16,7 @@ import uuid
 from leanserve.chat.dsml import Delta, OutputParser
 from leanserve.chat.dsv4 import REASONING_EFFORTS
 from leanserve.chat.template import ChatFormat, ChatInput, JinjaFormat
+from leanserve.sampling_params import StructuredOutput
 from leanserve.server.protocol import bad
 
 ROLE_FIELDS = {
@@ -26,15 +27,15 @@ ROLE_FIELDS = {
     "tool": {"role", "content", "tool_call_id"},
 }
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+SHAPE = '\'tool_choice\' must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}.'
+FORMAT_SHAPE = '\'response_format\' must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}.'
 
 
 def parse_chat(body: dict, fmt: ChatFormat) -> ChatInput:
     """The chat fields of a request, validated for `fmt`."""
     tools = _tools(body, fmt)
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        shown = choice if isinstance(choice, str) else "a named function"
-        raise bad(f"'tool_choice' {shown!r} is not supported yet; use 'auto' or 'none'.", "tool_choice")
+    _tool_choice(choice, tools)
     if body.get("parallel_tool_calls") not in (None, True):
         raise bad(
             "'parallel_tool_calls': false is not supported; the model may call several tools.", "parallel_tool_calls"
@@ -47,6 +48,53 @@ def parse_chat(body: dict, fmt: ChatFormat) -> ChatInput:
         messages=_messages(body, fmt), tools=None if choice == "none" else tools, thinking=thinking,
         reasoning_effort=effort, template_kwargs=kwargs if isinstance(fmt, JinjaFormat) else {},
     )  # fmt: skip
+
+
+def _tool_choice(choice, tools: list[dict] | None) -> str | None:
+    """The function a tool_choice names (None for "auto", "none", "required")."""
+    if choice in (None, "auto", "none"):
+        return None
+    if choice != "required" and not isinstance(choice, dict):
+        raise bad(SHAPE, "tool_choice")
+    if not tools:
+        raise bad("'tool_choice' asks for a tool call but the request offers no 'tools'.", "tool_choice")
+    if choice == "required":
+        return None
+    fn = choice.get("function")
+    name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
+    if not isinstance(name, str) or set(choice) != {"type", "function"} or set(fn) != {"name"}:
+        raise bad(SHAPE, "tool_choice")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise bad(f"'tool_choice' names {name!r}, which is not among the request's tools.", "tool_choice")
+    return name
+
+
+def structured_output(body: dict, chat: ChatInput) -> StructuredOutput | None:
+    """What the output must obey: response_format json_object / json_schema, or a forced tool call
+    (tool_choice "required" or a named function); in thinking mode from after </think>."""
+    fmt, choice = body.get("response_format"), body.get("tool_choice")
+    forced = choice == "required" or isinstance(choice, dict)
+    if fmt is None or fmt == {"type": "text"}:
+        if not forced:
+            return None
+        name = _tool_choice(choice, chat.tools)
+        return StructuredOutput(kind="tool_calls", tools=chat.tools, required_name=name, after_think=chat.thinking)
+    if forced:
+        raise bad("'response_format' and a forced 'tool_choice' cannot both constrain the output.", "response_format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object" and set(fmt) == {"type"}:
+        return StructuredOutput(kind="json", after_think=chat.thinking)
+    spec = fmt.get("json_schema") if kind == "json_schema" else None
+    if not isinstance(spec, dict) or set(fmt) != {"type", "json_schema"}:
+        raise bad(FORMAT_SHAPE, "response_format")
+    if extra := sorted(set(spec) - {"name", "schema", "strict", "description"}):
+        raise bad(f"response_format.json_schema.{extra[0]} is not supported.", "response_format")
+    if not isinstance(spec.get("name"), str) or not TOOL_NAME.match(spec["name"]):
+        raise bad("response_format.json_schema.name must be 1-64 letters, digits, '_', '.' or '-'.", "response_format")
+    schema, strict = spec.get("schema", {}), spec.get("strict") or False
+    if not isinstance(schema, dict) or not isinstance(strict, bool):
+        raise bad("response_format.json_schema.schema must be an object, and strict true or false.", "response_format")
+    return StructuredOutput(kind="json", schema=schema, strict=strict, after_think=chat.thinking)
 
 
 def _reasoning(body: dict, fmt: ChatFormat) -> tuple[bool, str | None]:
@@ -120,8 +168,8 @@ def _tools(body: dict, fmt: ChatFormat) -> list[dict] | None:
             raise bad(f"tools[{i}].function.description must be a string.", "tools")
         if not isinstance(fn.get("parameters", {}), dict):
             raise bad(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
-        if fn.get("strict"):
-            raise bad(f"tools[{i}].function.strict: true is not supported yet (no constrained decoding).", "tools")
+        if not isinstance(fn.get("strict", False), bool):
+            raise bad(f"tools[{i}].function.strict must be true or false.", "tools")
     return tools
 
 

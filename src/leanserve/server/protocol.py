@@ -2,8 +2,8 @@
 
 Requests are parsed by hand rather than by a schema library so that every problem becomes one 400 in
 OpenAI's error shape naming the field (`{"error": {"message", "type", "param", "code"}}`). Every field is
-honoured or refused: a field this server does not know, or one whose value it cannot honour
-(`response_format` other than text, `best_of` other than n, `suffix`), is a 400 naming it.
+honoured or refused: a field this server does not know, or one whose value it cannot honour (`best_of` other
+than n, `suffix`), is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -205,9 +205,6 @@ def parse_request(
 
 def _refuse_what_cannot_be_honoured(body: dict, chat: bool) -> None:
     refuse_unknown(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad('\'response_format\' other than {"type": "text"} is not supported yet.', "response_format")
     best_of = body.get("best_of")
     if best_of is not None and best_of != (body.get("n") or 1):
         raise bad("'best_of' is not supported: every generated choice is returned ('n').", "best_of")
