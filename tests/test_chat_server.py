@@ -15,6 +15,8 @@ import pytest
 from leanserve import LLM
 from leanserve.chat import dsv4
 from leanserve.chat_tokens import add_chat_tokens
+from leanserve.engine.sequence import SampledToken
+from leanserve.server.async_engine import Delta
 from test_server import SHIPPED, Server
 
 NAME = "dsv4-chat"
@@ -251,8 +253,8 @@ class Scripted:
     async def generate(self, prompt_token_ids, params):
         self.prompts.append(list(prompt_token_ids))
         for k, t in enumerate(self.script):
-            token = SimpleNamespace(token_id=t, logprob=None, top=())
-            yield SimpleNamespace(tokens=[token], finish_reason=self.finish if k == len(self.script) - 1 else None)
+            token = SampledToken(t)
+            yield Delta([token], self.finish if k == len(self.script) - 1 else None)
 
     def stop(self) -> None:
         pass

@@ -126,7 +126,7 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, chat_temp
                 raise protocol.bad(str(e), "response_format" if spec.kind == "json" else "tools") from None
         jobs, parsers = [], {}
         for p_index, prompt in enumerate(req.prompts):
-            max_tokens = req.max_tokens or engine.max_model_len - len(prompt)
+            max_tokens = engine.max_model_len - len(prompt) if req.max_tokens is None else req.max_tokens
             for i in range(req.n):
                 seed = req.params.seed + i if req.params.seed is not None and req.n > 1 else req.params.seed
                 params = dataclasses.replace(req.params, max_tokens=max_tokens, seed=seed)
@@ -215,10 +215,31 @@ async def _run_choice(choice: Choice, gen, on_delta, metrics: ServerMetrics) -> 
                     metrics.inter_token(now - last, len(delta.tokens))
                 last = now
                 metrics.generation_tokens(len(delta.tokens))
+            if delta.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.prompt_logprobs
             text, entries = choice.add(delta.tokens, delta.finish_reason)
             await on_delta(choice, text, entries)
             if choice.done:
                 return  # leaving the generator aborts the request when a stop string ended it early
+
+
+def _echo(req: GenRequest, choice: Choice) -> tuple[str, list[dict]]:
+    """The prompt's text as the model read it (special tokens included, so that the tokens' text_offsets
+    index it), and its tokens' logprob entries (the first has none) when logprobs are asked."""
+    prompt = req.prompts[choice.index // req.n]
+    text = choice.tokenizer.decode(prompt, skip_special_tokens=False) if choice.tokenizer is not None else ""
+    if req.logprobs is None:
+        return text, []
+    entries = []
+    for token, entry in zip(prompt, choice.prompt_logprobs, strict=True):
+        piece = choice.piece(token)
+        if entry is None:
+            entries.append({"token": piece, "logprob": None, "top": None})
+        else:
+            top = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
+            top = [(lp.decoded_token, lp.logprob) for lp in top[: req.logprobs]]
+            entries.append({"token": piece, "logprob": entry[token].logprob, "top": top})
+    return text, entries
 
 
 def _usage(req: GenRequest, choices: list[Choice]) -> dict:
@@ -272,8 +293,12 @@ async def _complete(request: Request, req: GenRequest, jobs, parsers: dict, thin
             item = {"index": c.index, "message": {"role": "assistant", "content": text}, "finish_reason": _finish(c)}
             item["logprobs"] = protocol.chat_logprobs(entries[c.index]) if req.logprobs is not None else None
         else:
-            item = {"index": c.index, "text": text, "finish_reason": _finish(c)}
-            item["logprobs"] = protocol.completion_logprobs(entries[c.index], 0) if req.logprobs is not None else None
+            echoed, echoed_entries = _echo(req, c) if req.echo else ("", [])
+            item = {"index": c.index, "text": echoed + text, "finish_reason": _finish(c)}
+            lps = echoed_entries + entries[c.index]
+            item["logprobs"] = protocol.completion_logprobs(lps, 0) if req.logprobs is not None else None
+            if req.prompt_logprobs is not None:
+                item["prompt_logprobs"] = protocol.prompt_logprobs(c.prompt_logprobs, req.prompt_logprobs)
         out_choices.append(item)
     metrics.request_done(path, 200)
     return {

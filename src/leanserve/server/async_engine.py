@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from leanserve.engine.llm_engine import LLMEngine
 from leanserve.engine.sequence import SampledToken
+from leanserve.llm import prompt_logprob_entries
 from leanserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("leanserve")
@@ -40,12 +41,14 @@ class Delta:
     tokens: list[SampledToken]
     finish_reason: str | None = None
     error: str | None = None
+    prompt_logprobs: list | None = None  # on the first delta of a request that asked for them
 
 
 @dataclass
 class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     held: list[SampledToken] = field(default_factory=list)  # tokens not yet handed on
+    scored: bool = False  # whether its prompt logprobs were handed on (when the request asked)
     sent_at: float | None = None  # when tokens were last handed on
 
 
@@ -170,7 +173,10 @@ class AsyncEngine:
             stream.held += update.new_tokens
             due = stream.held and (stream.sent_at is None or now - stream.sent_at >= self.stream_interval)
             if update.finished or due:
-                stream.queue.put_nowait(Delta(stream.held, update.finish_reason))
+                prompt_lps = None
+                if update.seq.params.prompt_logprobs is not None and not stream.scored:
+                    prompt_lps, stream.scored = prompt_logprob_entries(update.seq, self.engine.tokenizer), True
+                stream.queue.put_nowait(Delta(stream.held, update.finish_reason, prompt_logprobs=prompt_lps))
                 stream.held, stream.sent_at, handed_on = [], now, True
             if update.finished:
                 del self._streams[update.seq.seq_id]

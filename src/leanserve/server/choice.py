@@ -30,6 +30,7 @@ class Choice:
     ends: list[int] = dataclasses.field(default_factory=list)  # text length after each token
     pending: list[dict] = dataclasses.field(default_factory=list)  # logprob entries not yet released
     released_tokens: int = 0
+    prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs' entries, when the request asked
 
     def __post_init__(self) -> None:
         self._detok = (
@@ -52,8 +53,8 @@ class Choice:
         for t in tokens:
             self.token_ids.append(t.token_id)
             if t.logprob is not None:
-                top = [(self._piece(i), lp) for i, lp in t.top]
-                self.pending.append({"token": self._piece(t.token_id), "logprob": t.logprob, "top": top})
+                top = [(self.piece(i), lp) for i, lp in t.top]
+                self.pending.append({"token": self.piece(t.token_id), "logprob": t.logprob, "top": top})
             if self._detok is not None:
                 new.append(self._detok.add(t.token_id))
                 self._length = self._detok.length
@@ -103,7 +104,7 @@ class Choice:
                 best, best_s = at, s
         return (base + best, best_s) if best_s is not None else (-1, None)
 
-    def _piece(self, token_id: int) -> str:
+    def piece(self, token_id: int) -> str:
         return (
             self.tokenizer.decode([token_id], skip_special_tokens=False)
             if self.tokenizer is not None

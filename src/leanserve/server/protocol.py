@@ -26,7 +26,7 @@ COMMON_FIELDS = frozenset(
     {"model", "max_tokens", "n", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stream", "stream_options",
      "stop", "logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "user"}
 )  # fmt: skip
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix", "prompt_logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
     "chat_template_kwargs", "reasoning_effort", "response_format",
@@ -113,6 +113,8 @@ class GenRequest:
     logprobs: int | None  # top-N per token (0 = only the chosen token's), None = no logprobs
     max_tokens: int | None
     chat: bool = False
+    echo: bool = False  # completions: the prompt's text (and its tokens' logprobs) before the completion
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top-N, in the choice
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
@@ -150,7 +152,8 @@ def parse_request(
                 "messages" if chat else "prompt",
             )
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, max_name, None, 1, max_model_len)
+    echo = not chat and read_bool(body, "echo", False)
+    max_tokens = _int(body, max_name, None, 0 if echo else 1, max_model_len)  # 0: score the prompt only
     if max_tokens is None and not chat:
         max_tokens = 16  # OpenAI's default for completions; chat defaults to the rest of the context
     n = _int(body, "n", 1, 1, MAX_N)
@@ -160,8 +163,11 @@ def parse_request(
     seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
     ignore_eos = read_bool(body, "ignore_eos", False)
     stream = read_bool(body, "stream", False)
-    if read_bool(body, "echo", False):
-        raise bad("'echo' is not supported by this server.", "echo")
+    prompt_logprobs = None if chat else _int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    if stream and (echo or prompt_logprobs is not None):
+        raise bad(
+            "'echo' and 'prompt_logprobs' are not supported with 'stream' yet.", "echo" if echo else "prompt_logprobs"
+        )
     penalties = {name: _num(body, name, 0.0, -2.0, 2.0) for name in ("frequency_penalty", "presence_penalty")}
     penalties["repetition_penalty"] = _num(body, "repetition_penalty", 1.0, 0.0, math.inf, lo_open=True)
     logit_bias = _logit_bias(body.get("logit_bias"), vocab_size)
@@ -189,16 +195,21 @@ def parse_request(
         logprobs = (top or 0) if want else None
     else:
         logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    # The engine scores the prompt for echo's logprobs (and for max_tokens 0, which needs its prefill only).
+    scored = [n for n in (prompt_logprobs, logprobs if echo else None) if n is not None]
+    if echo and max_tokens == 0 and not scored:
+        scored = [0]
     try:
         params = SamplingParams(
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens or 1,
-            ignore_eos=ignore_eos, logprobs=logprobs, logit_bias=logit_bias, **penalties,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            max_tokens=1 if max_tokens is None else max_tokens, ignore_eos=ignore_eos, logprobs=logprobs,
+            logit_bias=logit_bias, prompt_logprobs=max(scored) if scored else None, **penalties,
         )  # fmt: skip
     except ValueError as e:
         raise bad(str(e)) from None
     return GenRequest(
         model=model, prompts=prompts, params=params, n=n, stream=stream, include_usage=include_usage, stop=stop,
-        logprobs=logprobs, max_tokens=max_tokens, chat=chat,
+        logprobs=logprobs, max_tokens=max_tokens, chat=chat, echo=echo, prompt_logprobs=prompt_logprobs,
         id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
     )  # fmt: skip
 
@@ -278,10 +289,28 @@ def completion_logprobs(entries: list[dict], offset: int) -> dict:
     for e in entries:
         tokens.append(e["token"])
         lps.append(e["logprob"])
-        tops.append({t: lp for t, lp in e["top"]})
+        tops.append(None if e["top"] is None else {t: lp for t, lp in e["top"]})
         offsets.append(offset)
         offset += len(e["token"])
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(entries, n: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then {token id: {"logprob", "rank",
+    "decoded_token"}} with the top-n and the prompt token."""
+    out = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        keep = {t: lp for t, lp in entry.items() if lp.rank is None or lp.rank <= n}
+        out.append(
+            {
+                str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for t, lp in keep.items()
+            }
+        )
+    return out
 
 
 def chat_logprobs(entries: list[dict]) -> dict:
