@@ -104,7 +104,7 @@ class OldChoice(Choice):
         for t in tokens:
             self.token_ids.append(t.token_id)
             if t.logprob is not None:
-                self.pending.append({"token": self._piece(t.token_id), "logprob": t.logprob, "top": []})
+                self.pending.append({"token": self.piece(t.token_id), "logprob": t.logprob, "top": []})
         text = self.tokenizer.decode(self.token_ids)
         self.ends[first:] = [
             len(self.tokenizer.decode(self.token_ids[:i])) for i in range(first + 1, len(self.token_ids))

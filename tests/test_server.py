@@ -398,7 +398,7 @@ def test_chat_uses_the_models_chat_template(tmp_path):
     model = tmp_path / "with-template"
     model.mkdir()
     for f in SHIPPED.iterdir():
-        if f.is_file():
+        if f.is_file() and f.name != "tokenizer_config.json":  # (written below: never through a link)
             (model / f.name).symlink_to(f)
     template = (
         "{{ bos_token }}{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\n{% endfor %}"

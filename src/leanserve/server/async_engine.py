@@ -7,7 +7,8 @@ select, the socket writes) handed the GIL back and forth with the engine thread,
 switch and each competing with the engine's kernels for the cores: streaming cost 1.2-1.5x the engine's
 own step per token. Here a step runs, then the event loop gets a few turns to carry its tokens to the
 sockets and to take new requests and disconnects; then the next step. A client's socket never blocks a step
-(writes are buffered).
+(writes are buffered); a step holds the HTTP side up for its length (a long prefill, or with pipeline
+parallelism the wait for the other stages), as it held up the tokens anyway.
 
 A request's tokens are handed on at most every `stream_interval` seconds (its first at once, its last with
 the finish): when steps are faster than that, a delta carries several steps' tokens, so the cost of a chunk
@@ -93,7 +94,10 @@ class AsyncEngine:
                 delta: Delta = await stream.queue.get()
                 while delta.finish_reason is None and not stream.queue.empty():  # the caller is behind
                     more: Delta = stream.queue.get_nowait()
-                    delta = Delta(delta.tokens + more.tokens, more.finish_reason, more.error)
+                    delta = Delta(
+                        delta.tokens + more.tokens, more.finish_reason, more.error,
+                        delta.prompt_logprobs or more.prompt_logprobs,
+                    )  # fmt: skip
                 if delta.error is not None:
                     raise EngineStopped(delta.error)
                 finished = delta.finish_reason is not None
