@@ -199,6 +199,35 @@ def test_a_json_schema_response_always_validates(server):
     assert isinstance(json.loads(out.choices[0].message.content), dict)
 
 
+def test_vllm_structured_outputs_json(server):
+    client = server.client()
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    for extra in ({"guided_json": schema}, {"structured_outputs": {"json": json.dumps(schema)}}):
+        out = client.completions.create(model=NAME, prompt="x = ", max_tokens=80, temperature=0, extra_body=extra)
+        assert isinstance(json.loads(out.choices[0].text)["a"], int) and out.choices[0].finish_reason == "stop"
+    chat = [{"role": "user", "content": "JSON, please."}]
+    out = client.chat.completions.create(
+        model=NAME, messages=chat, max_tokens=80, seed=1, extra_body={"guided_json": schema}
+    )
+    assert isinstance(json.loads(out.choices[0].message.content)["a"], int)
+    for extra, param in [
+        ({"guided_json": schema, "guided_regex": "a"}, "guided_regex"),
+        ({"guided_regex": "[0-9]+"}, "guided_regex"),
+        ({"guided_choice": ["yes", "no"]}, "guided_choice"),
+        ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
+        ({"guided_json": {"type": "whatever"}}, "guided_json"),
+        ({"guided_json": "{not json"}, "guided_json"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=NAME, prompt="x", max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body
+
+
 # Bounded values, so that a model that never learned the format still finishes its call within max_tokens.
 BOUNDED_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {

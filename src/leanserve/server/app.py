@@ -118,12 +118,14 @@ def build_app(llm, served_model_name: str, api_key: str | None = None, chat_temp
             vocab_size=engine.model_config.vocab_size, tokenizer=engine.tokenizer, chat_prompt=lambda b: inputs.append(chat_prompt(b, generating=True)) or inputs[-1][0],
         )  # fmt: skip
         structured = chat and fmt.structured  # the output is parsed into reasoning, content and tool calls
-        if chat and (spec := chat_api.structured_output(body, inputs[0][1])) is not None:
+        constraint = _constraint(body, inputs[0][1] if chat else None)
+        if constraint is not None:
+            spec, param = constraint
             try:  # the grammar compiled now: a schema it cannot take is a 400 before anything is queued
                 engine.check_structured(spec)
                 req.params = dataclasses.replace(req.params, structured=spec)
             except ValueError as e:
-                raise protocol.bad(str(e), "response_format" if spec.kind == "json" else "tools") from None
+                raise protocol.bad(str(e), param) from None
         jobs, parsers = [], {}
         for p_index, prompt in enumerate(req.prompts):
             max_tokens = engine.max_model_len - len(prompt) if req.max_tokens is None else req.max_tokens
@@ -221,6 +223,18 @@ async def _run_choice(choice: Choice, gen, on_delta, metrics: ServerMetrics) -> 
             await on_delta(choice, text, entries)
             if choice.done:
                 return  # leaving the generator aborts the request when a stop string ended it early
+
+
+def _constraint(body: dict, chat: chat_api.ChatInput | None):
+    """(what the output must obey, the field that asked), or None: OpenAI's response_format and a forced
+    tool_choice (chat), vLLM's structured_outputs / guided_* (both endpoints); two of them: 400."""
+    openai_spec = chat_api.structured_output(body, chat) if chat is not None else None
+    vllm = protocol.vllm_structured(body, after_think=chat is not None and chat.thinking)
+    if openai_spec is not None and vllm is not None:
+        raise protocol.bad(f"'{vllm[1]}' and 'response_format' / 'tool_choice' both constrain the output.", vllm[1])
+    if openai_spec is not None:
+        return openai_spec, "response_format" if openai_spec.kind == "json" else "tools"
+    return vllm
 
 
 def _echo(req: GenRequest, choice: Choice) -> tuple[str, list[dict]]:

@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from leanserve.sampling_params import SamplingParams
+from leanserve.sampling_params import SamplingParams, StructuredOutput
 
 MAX_N = 16
 MAX_STOP = 4
@@ -24,7 +24,8 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 # The fields each endpoint knows; `user` (the caller's end-user id, for their own records) has no effect.
 COMMON_FIELDS = frozenset(
     {"model", "max_tokens", "n", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stream", "stream_options",
-     "stop", "logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "user"}
+     "stop", "logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "user",
+     "structured_outputs", "guided_json", "guided_regex", "guided_choice"}
 )  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix", "prompt_logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -221,6 +222,32 @@ def _refuse_what_cannot_be_honoured(body: dict, chat: bool) -> None:
         raise bad("'best_of' is not supported: every generated choice is returned ('n').", "best_of")
     if body.get("suffix"):
         raise bad("'suffix' is not supported: this model does not fill in the middle.", "suffix")
+
+
+VLLM_STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice")
+
+
+def vllm_structured(body: dict, after_think: bool = False) -> tuple[StructuredOutput, str] | None:
+    """vLLM's constraints: `structured_outputs` {"json": schema} or the older `guided_json`; (the spec, the field
+    that gave it), or None. Regex and choice constraints are refused by name until the grammar takes them."""
+    given = [name for name in VLLM_STRUCTURED if body.get(name) is not None]
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    if len(given) > 1:
+        raise bad(f"'{given[0]}' and '{given[1]}' both constrain the output; give one.", given[1])
+    if name in ("guided_regex", "guided_choice"):
+        raise bad(f"'{name}' is not supported yet; use a JSON schema ('guided_json' or 'response_format').", name)
+    if name == "structured_outputs":
+        keys = [k for k, v in value.items() if v is not None] if isinstance(value, dict) else None
+        if keys != ["json"]:
+            raise bad("'structured_outputs' takes {\"json\": schema} here (regex, choice and grammar: not yet).", name)
+        value = value["json"]
+    try:
+        schema = json.loads(value) if isinstance(value, str) else value
+        return StructuredOutput(kind="json", schema=schema, after_think=after_think), name
+    except (ValueError, TypeError) as e:
+        raise bad(f"'{name}': {e}", name) from None
 
 
 def _logit_bias(value, vocab_size: int) -> dict[int, float] | None:
