@@ -226,7 +226,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="instead: ms/token of one stream through the server next to the offline engine's decode, side by side",
     )
-    sv.add_argument("--repeats", type=int, default=3, help="--vs-engine: rounds of the alternating arms")
+    sv.add_argument("--repeats", type=int, default=5, help="--vs-engine: rounds of the alternating arms")
     sv.add_argument("--output", default="table", choices=["table", "json"])
     fm = kinds.add_parser(
         "formats", help="decode at DeepSeek-V4-Flash's per-layer scale: the published format vs bf16, side by side"

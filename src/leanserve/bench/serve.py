@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import pairwise
 
 from leanserve.bench.common import code_prompts
 
@@ -61,7 +62,8 @@ def serve_bench(
 ) -> list[ServeRow]:
     """Starts `leanserve serve` on a free loopback port, then for each concurrency c keeps c streaming
     completions in flight until `max(requests_per_level, c)` have finished; reports requests/s, output
-    tokens/s, time to first token and inter-token latency (p50, p99). Everything is bounded in count."""
+    tokens/s (the server's usage counts), time to first token and inter-token latency (p50, p99: the wait for a
+    chunk over the tokens in it). Everything is bounded in count."""
     try:
         import httpx
     except ImportError:
@@ -80,20 +82,27 @@ def serve_bench(
 
         async def one(client, prompt, ttfts, itls) -> int:
             body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                    "ignore_eos": True}  # fmt: skip
-            start = last = time.perf_counter()
+                    "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            start = time.perf_counter()
+            chunks: list[tuple[float, int]] = []  # (arrival, characters) of each chunk with text
             tokens = 0
             async with client.stream("POST", url + "/completions", json=body) as r:
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     now = time.perf_counter()
-                    if tokens == 0:
-                        ttfts.append(now - start)
-                    else:
-                        itls.append(now - last)
-                    last = now
-                    tokens += 1
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    text = "".join(c.get("text") or "" for c in chunk.get("choices") or [])
+                    if text:
+                        chunks.append((now, len(text)))
+            if chunks:
+                ttfts.append(chunks[0][0] - start)
+                # A chunk may carry several tokens (the server sends at most every few ms): the wait for it is
+                # shared by its tokens, counted by its share of the text.
+                per_char = tokens / max(1, sum(n for _, n in chunks))
+                itls += [(t - before) / max(1.0, n * per_char) for (before, _), (t, n) in pairwise(chunks)]
             return tokens
 
         async def level(c: int) -> ServeRow:
@@ -178,7 +187,7 @@ CHAT_ARM = "server: /v1/chat/completions stream"
 
 
 def serve_vs_engine_bench(
-    model: str, max_tokens: int = 1000, repeats: int = 3, prompt_tokens: int = 48, dtype: str = "float32"
+    model: str, max_tokens: int = 1000, repeats: int = 5, prompt_tokens: int = 48, dtype: str = "float32"
 ) -> list[VsEngineRow]:
     """In one run: the offline engine (LLM.generate, batch 1, greedy, ignore_eos, `max_tokens` tokens) in this
     process, and a `leanserve serve` process of the same model, dtype and engine settings streaming the same
