@@ -249,6 +249,39 @@ def test_bench_serve_vs_engine_puts_the_server_beside_the_engine(capsys):
     assert len(lines) == 3
 
 
+def test_bench_structured_puts_plain_requests_beside_constrained_ones(capsys):
+    shipped = Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-12l"  # (a tokenizer: the grammar)
+    args = ["--log-level", "warning", "bench", "structured", "--model", str(shipped), "--batch-sizes", "2"]
+    args += ["--constrained", "2", "--max-tokens", "6", "--prompt-len", "8", "--repeats", "1"]
+    assert main([*args, "--output", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["arm"] for r in rows] == ["plain", "plain + constrained", "plain + unconstrained"]
+    plain, bound, control = rows
+    for r in rows:
+        assert set(r) == {
+            "arm", "plain", "beside", "plain_tok_s", "plain_step_ms", "vs_plain", "vs_same_batch",
+            "constrained_tok_s", "grammar_ms", "plain_tokens_identical",
+        }  # fmt: skip
+        assert r["plain"] == 2 and r["plain_tok_s"] > 0 and r["plain_step_ms"] > 0 and r["grammar_ms"] >= 0
+        assert r["vs_plain"] == pytest.approx(r["plain_tok_s"] / plain["plain_tok_s"], rel=0.01)
+        assert r["plain_tokens_identical"] is True  # greedy: the plain requests' tokens beside others are the same
+    assert [r["beside"] for r in rows] == [0, 2, 2] and plain["vs_plain"] == 1.0
+    assert bound["vs_same_batch"] == pytest.approx(bound["plain_tok_s"] / control["plain_tok_s"], rel=0.01)
+    assert bound["constrained_tok_s"] > 0
+    assert (
+        plain["vs_same_batch"] is None and plain["constrained_tok_s"] is None and control["constrained_tok_s"] is None
+    )
+    # The table: a column per figure, a line per arm.
+    assert main([*args, "--max-tokens", "3"]) == 0
+    header, *lines = capsys.readouterr().out.strip().splitlines()
+    assert header.split() == [
+        "arm", "plain", "beside", "plain", "tok/s", "plain", "step", "ms", "vs", "plain", "vs", "same", "batch",
+        "constrained", "tok/s", "grammar", "ms/step", "plain", "tokens", "identical",
+    ]  # fmt: skip
+    assert len(lines) == 3
+    assert main([*args, "--max-tokens", "1"]) == 2 and "--max-tokens at least 2" in capsys.readouterr().err
+
+
 def test_prebuild_compiles_every_format_in_parallel_and_names_a_failure(capsys, monkeypatch):
     # (the kernels are in the cache already when make test runs this: each process loads them)
     assert main(["prebuild", "--jobs", "2"]) == 0

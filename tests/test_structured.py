@@ -1,9 +1,11 @@
 """Grammar-constrained decoding (leanserve.structured): random walks through the masks must give text that parses
-and validates (JSON schemas, forced DSML tool calls, thinking mode); masks, EOS, rollback and refusals."""
+and validates (JSON schemas, forced DSML tool calls, thinking mode), that Python's `re` fully matches (regexes)
+or that is one of the choices; masks, EOS, rollback and refusals."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -203,6 +205,73 @@ def test_thinking_mode(tok, ids, eos_ids, compiler):
     assert m.accept(ids[THINK_END]) and not m.accept(tok.encode("x")[0])
 
 
+# Regexes that llguidance (Rust's `regex` syntax) and Python's `re` read the same way: Unicode digits and case
+# folding, non-ASCII literals, a slash (escaped in the grammar), a newline, quotes and alternations.
+REGEXES = [
+    r"[a-z]{1,8}@[a-z]{2,6}\.(com|org|net)",
+    r"\d{3}-\d{4}",
+    r"-?(0|[1-9][0-9]{0,5})(\.[0-9]{1,3})?",
+    r"(?i)hello( world){0,2}!?",
+    r"[多云晴☔]{1,3}(, [a-z]{1,4}){0,2}",
+    r"(yes|no|maybe)\n[A-Z][a-z ]{0,10}\.",
+    r".{1,6}/x",
+    r'"[^"\\]{0,6}"',
+]
+CHOICES = ("yes", "no", "no way", "多云 ☔", 'say "hi"\n', "a\\b/c", "")
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_regex(tok, ids, eos_ids, compiler, pattern):
+    grammar = compiler.regex(pattern)
+    texts = set()
+    for seed in range(10):
+        text = check_tokens(tok, walk(tok, Matcher(grammar), eos_ids, seed), ids)
+        assert re.fullmatch(pattern, retokenized(tok, grammar, text)), text
+        texts.add(text)
+    assert len(texts) >= 5  # (really walked)
+    for text in ("", "x" * 40, texts.pop() + "\u0000"):  # text the regex does not match is refused
+        tokens = tok.encode(text, add_special_tokens=False)
+        m = Matcher(grammar)
+        assert m.accept_prefix(tokens) < len(tokens) or not m.allows_eos
+
+
+def test_choice(tok, ids, eos_ids, compiler):
+    grammar = compiler.choice(CHOICES)
+    seen = set()
+    for seed in range(40):
+        text = check_tokens(tok, walk(tok, Matcher(grammar), eos_ids, seed), ids)
+        assert retokenized(tok, grammar, text) in CHOICES
+        seen.add(text)
+    assert len(seen) >= 5
+    m = Matcher(grammar)  # a choice that is a prefix of another ends there, or goes on
+    assert m.accept_prefix(tok.encode("no", add_special_tokens=False)) and m.allows_eos and not m.is_finished
+    assert m.accept_prefix(tok.encode(" way", add_special_tokens=False)) and m.is_finished
+    m = Matcher(grammar)
+    assert m.accept_prefix(tok.encode("yess", add_special_tokens=False)) < len(tok.encode("yess"))
+
+
+def test_regex_and_choice_after_thinking(tok, ids, eos_ids, compiler):
+    pattern = REGEXES[0]
+    regex, choice = compiler.regex(pattern), compiler.choice(CHOICES)
+    for seed in range(6):
+        text = check_tokens(tok, walk(tok, Matcher(regex, thinking=True), eos_ids, seed), ids, thinking=True)
+        assert re.fullmatch(pattern, retokenized(tok, regex, text, thinking=True).split(THINK_END)[1])
+        text = check_tokens(tok, walk(tok, Matcher(choice, thinking=True), eos_ids, seed), ids, thinking=True)
+        assert retokenized(tok, choice, text, thinking=True).split(THINK_END)[1] in CHOICES
+
+
+def test_a_regex_that_cannot_compile_is_named(compiler):
+    for pattern, reason in [
+        (r"(a)\1", "backreferences are not supported"),
+        (r"(?=a)a", "look-around"),
+        ("[a-", "unclosed character class"),
+        (r"[^\s\S]", "matches no text"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            compiler.regex(pattern)
+        assert str(info.value).startswith(f"The regex {pattern!r} ") and reason in str(info.value)
+
+
 def test_a_tokenizer_without_chat_tokens():
     """</think> and ｜DSML｜ are then plain text: the reasoning ends at the text </think>, tags are spelled out."""
     base = Tokenizer.from_dir(ROOT / "models" / "dsv4-stdlib-12l")
@@ -319,6 +388,13 @@ def test_masks_in_a_batch(tok, compiler):
             [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"minProperties": 2}}}],
             None,
         ),
+        lambda c: c.json({"type": "string", "pattern": "(a)\\1"}, strict=True),
+        lambda c: c.regex(r"(a)\1"),
+        lambda c: c.regex(r"\bword"),
+        lambda c: c.regex(3),
+        lambda c: c.choice([]),
+        lambda c: c.choice("yes"),
+        lambda c: c.choice(["yes", 1]),
     ],
 )
 def test_schemas_that_cannot_compile(compiler, make):

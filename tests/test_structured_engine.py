@@ -3,12 +3,14 @@ tokenizer and DeepSeek-V4's chat tokens, every output at temperature 1 (many see
 JSON that validates against its schema, a forced tool call parses into the calls asked for with arguments that
 validate, thinking mode leaves the reasoning free; unconstrained requests beside constrained ones are unchanged;
 speculative decoding and a pipeline with overlap give the tokens of plain decoding; a schema that cannot compile
-is refused before anything is queued. The schemas have bounded content (enums, maxLength, bounded integers,
-maxItems), so that a random model's outputs end."""
+is refused before anything is queued; regex outputs fully match their regex and choice outputs are one of the
+choices. The schemas and regexes have bounded content (enums, maxLength, bounded integers, maxItems, bounded
+repeats), so that a random model's outputs end."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -63,6 +65,15 @@ SCHEMAS = [
         "maxItems": 2,
     },
 ]
+
+
+REGEXES = [
+    r"[a-z]{1,8}@[a-z]{2,6}\.(com|org)",
+    r"-?(0|[1-9][0-9]{0,4})(\.[0-9]{1,2})?",
+    r"(yes|no|maybe), [A-Z][a-z]{0,6}!",
+    r"[多云晴☔]{1,3}( [0-9]{1,2}°)?",
+]
+CHOICES = ("yes", "no", "no way", "多云", 'say "hi"')
 
 
 def bounded_tools() -> list[dict]:
@@ -135,6 +146,9 @@ def test_the_spec_is_small_frozen_and_hashable():
     with pytest.raises(AttributeError):
         a.strict = False  # type: ignore[misc]
     assert SamplingParams(structured=b).structured is b
+    c = StructuredOutput("choice", choices=["yes", "no"])
+    assert c.choices == ("yes", "no") and hash(c) == hash(StructuredOutput("choice", choices=("yes", "no")))
+    assert StructuredOutput("regex", pattern="[0-9]+", after_think=True).pattern == "[0-9]+"
 
 
 @pytest.mark.parametrize(
@@ -151,6 +165,17 @@ def test_the_spec_is_small_frozen_and_hashable():
         (dict(kind="tool_calls", tools="[]"), "needs tools"),
         (dict(kind="tool_calls", tools=TOOLS, strict=True), "strict"),
         (dict(kind="tool_calls", tools=TOOLS, required_name=""), "required_name"),
+        (dict(kind="regex"), 'kind "regex" needs pattern'),
+        (dict(kind="regex", pattern=""), 'kind "regex" needs pattern'),
+        (dict(kind="regex", pattern=3), 'kind "regex" needs pattern'),
+        (dict(kind="regex", pattern="a", schema={}), 'structured.schema is for kind "json", not "regex"'),
+        (dict(pattern="a"), 'structured.pattern is for kind "regex", not "json"'),
+        (dict(kind="choice"), 'kind "choice" needs choices: a list of strings'),
+        (dict(kind="choice", choices="yes"), 'kind "choice" needs choices: a list of strings'),
+        (dict(kind="choice", choices=[]), "at least one choice"),
+        (dict(kind="choice", choices=["a", 1]), "choices must all be strings, got 1"),
+        (dict(kind="choice", choices=["a"], pattern="a"), 'structured.pattern is for kind "regex"'),
+        (dict(kind="tool_calls", tools=TOOLS, choices=["a"]), 'structured.choices is for kind "choice"'),
     ],
 )
 def test_bad_specs_raise_naming_the_field(kwargs, match):
@@ -226,6 +251,52 @@ def test_thinking_mode_leaves_the_reasoning_free(llm, tok):
             assert [call.name for call in parser.tool_calls] == ["get_weather"] and parser.reasoning == before
     assert sum(map(len, reasoning)) > 100  # free text before </think>, not JSON
     assert not all(r.strip().startswith(("{", "[")) for r in reasoning if r.strip())
+
+
+def test_regex_outputs_match_in_full(llm, tok):
+    specs = [StructuredOutput("regex", pattern=REGEXES[i % len(REGEXES)]) for i in range(16)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured=s) for i, s in enumerate(specs)]
+    params += [SamplingParams(temperature=0, max_tokens=100, structured=s) for s in specs[:4]]
+    outputs = llm.generate(prompts(tok, len(params)), params)
+    eos = set(llm.engine.eos_token_ids)
+    for out, p in zip(outputs, params, strict=True):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.token_ids[-1] in eos
+        assert re.fullmatch(p.structured.pattern, c.text), (p.structured.pattern, c.text)
+    assert len({o.outputs[0].text for o in outputs[:16]}) == 16  # (really sampled)
+
+
+def test_choice_outputs_are_one_of_the_choices(llm, tok):
+    spec = StructuredOutput("choice", choices=CHOICES)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured=spec) for i in range(16)]
+    outputs = llm.generate(prompts(tok, 17), [*params, SamplingParams(temperature=0, max_tokens=100, structured=spec)])
+    for out in outputs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.token_ids[-1] in llm.engine.eos_token_ids and c.text in CHOICES
+    assert len({o.outputs[0].text for o in outputs}) >= 3
+
+
+def test_regex_and_choice_after_thinking(llm, tok):
+    end = tok.token_to_id(THINK_END)
+    specs = [StructuredOutput("regex", pattern=REGEXES[i % 2], after_think=True) for i in range(4)]
+    specs += [StructuredOutput("choice", choices=CHOICES, after_think=True)] * 4
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=300, structured=s, logit_bias={end: 6.0})
+        for i, s in enumerate(specs)
+    ]
+    outputs = llm.generate(prompts(tok, len(specs), "<think>"), params)
+    for out, spec in zip(outputs, specs, strict=True):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.token_ids.count(end) == 1
+        after = c.text.split(THINK_END)[1]
+        assert re.fullmatch(spec.pattern, after) if spec.kind == "regex" else after in CHOICES, c.text
+
+
+def test_a_regex_that_cannot_compile_is_refused_before_anything_is_queued(llm, tok):
+    bad = SamplingParams(structured=StructuredOutput("regex", pattern=r"(a)\1"))
+    with pytest.raises(ValueError, match=r"The regex .* backreferences are not supported"):
+        llm.generate(prompts(tok, 2), [SamplingParams(max_tokens=4), bad])
+    assert not llm.engine.has_unfinished
 
 
 def test_a_cut_output_ends_with_length(llm, tok):

@@ -262,6 +262,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--repeats", type=int, default=3)
     sp.add_argument("--threads", type=int, default=None)
     sp.add_argument("--output", default="table", choices=["table", "json"])
+    st = kinds.add_parser(
+        "structured", help="tokens/s of plain requests beside grammar-constrained ones vs beside none, side by side"
+    )
+    st.add_argument("--model", default="models/dsv4-stdlib-12l", help="default: the shipped model (from the repo root)")
+    st.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32], help="plain requests (B) per batch")
+    st.add_argument("--constrained", type=int, default=8, help="constrained requests beside them (C)")
+    st.add_argument("--max-tokens", type=int, default=64, help="per request")
+    st.add_argument("--prompt-len", type=int, default=16)
+    st.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    st.add_argument("--repeats", type=int, default=5, help="rounds of the alternating arms")
+    st.add_argument("--threads", type=int, default=None)
+    st.add_argument("--output", default="table", choices=["table", "json"])
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -343,6 +355,15 @@ def _bench(args: argparse.Namespace) -> int:
             for line in notes:
                 print(f"# {line}")
             print_rows(rows, args.output, FORMAT_HEADERS)
+    elif args.bench == "structured":
+        from leanserve.bench.structured import STRUCTURED_HEADERS, structured_bench
+
+        if min(args.constrained, args.prompt_len) < 1 or args.max_tokens < 2:
+            raise ValueError("--constrained and --prompt-len must be positive and --max-tokens at least 2.")
+        rows = structured_bench(
+            args.model, args.batch_sizes, args.constrained, args.max_tokens, args.prompt_len, args.repeats, args.dtype
+        )
+        print_rows(rows, args.output, STRUCTURED_HEADERS)
     else:
         from leanserve.bench.spec import SPEC_HEADERS, spec_bench
 

@@ -50,14 +50,21 @@ class LogitBias(Mapping[int, float]):
         return LogitBias, (self._bias,)
 
 
-STRUCTURED_KINDS = ("json", "tool_calls")
+STRUCTURED_KINDS = ("json", "tool_calls", "regex", "choice")
+# The fields each kind reads; any other one set is an error (their defaults: None / False).
+_KIND_FIELDS = {
+    "json": ("schema", "strict"),
+    "tool_calls": ("tools", "required_name"),
+    "regex": ("pattern",),
+    "choice": ("choices",),
+}
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """What a request's output must be (grammar-constrained decoding, leanserve.structured): small, frozen and
-    hashable, so it travels in the step plan. The engine compiles it when the request is added (a schema that
-    cannot be compiled is a ValueError then) and masks the request's logits with it at every step.
+    hashable, so it travels in the step plan. The engine compiles it when the request is added (a schema or
+    regex that cannot be compiled is a ValueError then) and masks the request's logits with it at every step.
 
     - kind "json": one JSON value valid against `schema` (JSON text; None = any JSON object). `strict`: a
       schema keyword the grammar cannot enforce is an error (else it is ignored). OpenAI's `response_format`
@@ -66,6 +73,11 @@ class StructuredOutput:
       of the list): exactly one call of `required_name` (tool_choice naming a function), or one or more calls
       of any of them (None: tool_choice "required"). A function whose "strict" is true has its parameters'
       schema enforced in full.
+    - kind "regex": text that `pattern` matches as a whole (vLLM's structured_outputs regex), in the syntax of
+      Rust's `regex` crate, which llguidance compiles: mostly Python's, but no lookaround, backreference,
+      ``\\b``, ``\\Z`` or comment; ``^`` and ``$`` change nothing.
+    - kind "choice": exactly one of the strings `choices` (vLLM's structured_outputs choice); a list is
+      accepted and kept as a tuple.
     - `after_think`: thinking mode: the text up to the first `</think>` is free, the constraint starts after it.
 
     A dict or list is accepted for `schema` / `tools` and kept as its JSON text. The output ends with EOS as
@@ -77,6 +89,8 @@ class StructuredOutput:
     tools: str | None = None
     required_name: str | None = None
     after_think: bool = False
+    pattern: str | None = None
+    choices: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -92,7 +106,7 @@ class StructuredOutput:
                 raise ValueError('structured.tools and required_name are for kind "tool_calls", not "json".')
             if schema is not None and not isinstance(json.loads(schema), dict | bool):
                 raise ValueError("structured.schema must be a JSON schema: an object (or true / false).")
-        else:
+        elif self.kind == "tool_calls":
             if schema is not None or self.strict:
                 raise ValueError(
                     'structured.schema and strict are for kind "json"; a tool\'s own "strict" governs its parameters.'
@@ -103,6 +117,29 @@ class StructuredOutput:
                 raise ValueError(
                     f"structured.required_name must be a function name or None, got {self.required_name!r}."
                 )
+        elif self.kind == "regex":
+            if not isinstance(self.pattern, str) or not self.pattern:
+                raise ValueError(
+                    f'structured kind "regex" needs pattern: a non-empty regex string, got {self.pattern!r}.'
+                )
+        else:
+            object.__setattr__(self, "choices", _choices(self.choices))
+        for kind, fields in _KIND_FIELDS.items():
+            for name in fields:
+                if kind != self.kind and getattr(self, name) is not None and getattr(self, name) is not False:
+                    raise ValueError(f'structured.{name} is for kind "{kind}", not "{self.kind}".')
+
+
+def _choices(choices: object) -> tuple[str, ...]:
+    """`choices` as a tuple of strings (a list or tuple of them, at least one)."""
+    if isinstance(choices, str) or not isinstance(choices, list | tuple):
+        raise ValueError(f'structured kind "choice" needs choices: a list of strings, got {type(choices).__name__}.')
+    if not choices:
+        raise ValueError('structured kind "choice" needs at least one choice.')
+    bad = next((c for c in choices if not isinstance(c, str)), None)
+    if bad is not None:
+        raise ValueError(f"structured.choices must all be strings, got {bad!r}.")
+    return tuple(choices)
 
 
 def _json_text(name: str, value: object) -> str | None:

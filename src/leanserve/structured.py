@@ -1,7 +1,8 @@
-"""Grammar-constrained decoding: JSON output (``response_format``) and forced DSML tool calls, on llguidance.
+"""Grammar-constrained decoding: JSON output (``response_format``), forced DSML tool calls, a regex or one of
+given strings (vLLM's ``structured_outputs`` regex / choice), on llguidance.
 
-`GrammarCompiler` (one per engine) turns a JSON schema, or a list of OpenAI tools, into a `Grammar`; each
-constrained request gets a `Matcher` that writes the tokens allowed next into a row of a bitmask
+`GrammarCompiler` (one per engine) turns a JSON schema, a list of OpenAI tools, a regex or a list of choices into
+a `Grammar`; each constrained request gets a `Matcher` that writes the tokens allowed next into a row of a bitmask
 (`fill_mask`: bit ``t % 32`` of int32 word ``t // 32`` set = token t allowed) and advances by the token the
 sampler drew (`accept`). `fill_masks` / `apply_bitmask` / `apply_masks` do a batch of rows at once.
 
@@ -35,6 +36,10 @@ either. One parameter beyond the schema's properties may come last when addition
 (one only: the grammar could not stop two from sharing a name, which makes the block invalid). A JSON value
 could still hold the closing tag's text inside a JSON string (llguidance cannot intersect a JSON schema with a
 regex); a raw value cannot.
+
+Regex: llguidance's own regex grammar, one lexeme (Rust's `regex` syntax; no lookaround or backreference, which a
+lexer of regular languages cannot hold); the whole output matches it. Choice: one lexeme whose alternatives are
+the strings as literals, so a choice that is a prefix of another may end there or go on.
 
 Thinking mode (``Matcher(grammar, thinking=True)``): the grammar gets a free prefix, any text without
 ``</think>`` (the output parser splits reasoning at the first one), then ``</think>`` (the special token when
@@ -110,10 +115,20 @@ class Grammar:
                 self._compiler.ll_tokenizer, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0
             )
             if m.is_error():
-                reason = re.sub(r"^at \d+\(\d+\): ", "", m.get_error().strip().splitlines()[0]).rstrip(".")
-                raise ValueError(f"{self._what} cannot be compiled into a grammar: {reason}.")
+                raise ValueError(f"{self._what} cannot be compiled into a grammar: {_reason(m.get_error())}.")
             self._pristine[thinking] = m
         return self._pristine[thinking]
+
+
+def _reason(error: str) -> str:
+    """The one line of llguidance's compile error that says what is wrong."""
+    lines = error.strip().splitlines()
+    reason = re.sub(r"^at \d+\(\d+\): ", "", lines[0]).rstrip(".")
+    if reason.endswith("regex parse error:"):  # the regex crate's reason comes lines below, after the caret
+        detail = next((ln.removeprefix("error: ") for ln in lines if ln.startswith("error: ")), "")
+        reason = f"{reason} {detail}".rstrip(" :")
+    reason = re.sub(r'^invalid regex ".*" \(in regex\): ', "", reason)  # (the caller names the regex)
+    return re.sub(r" in regex /.*/$", "", reason).removeprefix("regex parse error: ")
 
 
 class Matcher:
@@ -169,7 +184,8 @@ class Matcher:
 
 
 class GrammarCompiler:
-    """Compiles JSON schemas and tool lists into Grammars for one tokenizer; build it once per engine.
+    """Compiles JSON schemas, tool lists, regexes and choices into Grammars for one tokenizer; build it once per
+    engine.
 
     `vocab_size` is the width of the model's logits (the tokenizer's size when None)."""
 
@@ -197,6 +213,26 @@ class GrammarCompiler:
         elif not isinstance(schema, dict | bool):
             raise ValueError(f"A JSON schema must be an object, not {type(schema).__name__}.")
         return self._compile("body: " + _json_rule(schema, lenient=not strict) + "\n", "The JSON schema")
+
+    def regex(self, pattern: str) -> Grammar:
+        """Text that `pattern` matches as a whole, in the syntax of Rust's `regex` crate (llguidance's own regex
+        grammar): no lookaround, backreference or ``\\b``; ``^`` and ``$`` change nothing."""
+        if not isinstance(pattern, str):
+            raise ValueError(f"A regex must be a string, not {type(pattern).__name__}.")
+        lark = json.loads(llguidance.LLMatcher.grammar_from_regex(pattern))["grammars"][0]["lark_grammar"]
+        grammar = self._compile("body: " + lark.removeprefix("start: ") + "\n", f"The regex {pattern!r}")
+        start = Matcher(grammar)  # a regex of no text (``[^\\s\\S]``) compiles, then allows nothing
+        start.fill_mask(torch.empty(start.mask_words, dtype=torch.int32))
+        if start._m.is_error():
+            raise ValueError(f"The regex {pattern!r} matches no text.")
+        return grammar
+
+    def choice(self, choices: Sequence[str]) -> Grammar:
+        """Exactly one of the strings `choices` (one lexeme: a choice that is a prefix of another may end there)."""
+        if isinstance(choices, str) or not choices or not all(isinstance(c, str) for c in choices):
+            raise ValueError("The choices must be a non-empty list of strings.")
+        alternatives = " | ".join(_lit(c) for c in dict.fromkeys(choices))
+        return self._compile(f"body: CHOICE\nCHOICE: {alternatives}\n", "The choices")
 
     def tool_calls(self, tools: list[dict], required_name: str | None) -> Grammar:
         """A DSML tool-call block: one or more calls of the offered tools, or exactly one call of the function

@@ -4,8 +4,9 @@ grammars) compiled when it is added and enforced on the last stage, where tokens
 A request without one costs nothing: no compiler is built until a request first asks, and a step whose plan
 names no constrained request (`StepPlan.structured` empty) makes no matcher, mask or bitmask.
 
-  - Admission (stage 0): `LLMEngine.check_request` compiles the spec (`compile_structured`), so a schema or
-    tool list that cannot be compiled is a ValueError naming it before anything is queued.
+  - Admission (stage 0): `LLMEngine.check_request` compiles the spec (`compile_structured`, by its kind: json,
+    tool_calls, regex, choice), so a schema, tool list or regex that cannot be compiled is a ValueError naming it
+    before anything is queued.
   - The last stage (`GrammarState`) keeps one `Matcher` per running constrained request: made at its first
     sampled chunk (compiled again there: the compiler keeps compiled grammars by source, and a compile takes
     milliseconds), advanced by every token the stage emits for it, dropped by the first plan that no longer
@@ -65,8 +66,12 @@ def compile_structured(compiler: GrammarCompiler, spec: StructuredOutput) -> Gra
     the spec asks for it (it is compiled apart)."""
     if spec.kind == "json":
         grammar = compiler.json(None if spec.schema is None else json.loads(spec.schema), spec.strict)
-    else:
+    elif spec.kind == "tool_calls":
         grammar = compiler.tool_calls(json.loads(spec.tools), spec.required_name)
+    elif spec.kind == "regex":
+        grammar = compiler.regex(spec.pattern)
+    else:
+        grammar = compiler.choice(spec.choices)
     if spec.after_think:
         Matcher(grammar, thinking=True)
     return grammar
