@@ -304,6 +304,9 @@ def test_fuzz_gets_only_4xx_and_the_server_keeps_serving(server):
 
 
 def test_metrics(server):
+    # A request of each outcome first: the test must not depend on which tests ran before it in this worker.
+    assert server.raw("/v1/completions", json.dumps({"model": NAME, "prompt": "x", "max_tokens": 1}).encode())[0] == 200
+    assert server.raw("/v1/completions", json.dumps({"model": NAME, "prompt": "x", "n": 0}).encode())[0] == 400
     _, text = server.raw("/metrics")
     text = text.decode()
     for name in (
