@@ -6,6 +6,7 @@ as content, and every field the server cannot honour is a 400 naming it."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -215,11 +216,36 @@ def test_vllm_structured_outputs_json(server):
         model=NAME, messages=chat, max_tokens=80, seed=1, extra_body={"guided_json": schema}
     )
     assert isinstance(json.loads(out.choices[0].message.content)["a"], int)
+    for extra in ({"guided_regex": "[0-9]{3}-[a-c]+"}, {"structured_outputs": {"regex": "[0-9]{3}-[a-c]+"}}):
+        out = client.completions.create(model=NAME, prompt="x = ", max_tokens=40, temperature=1, seed=3, extra_body=extra)
+        assert re.fullmatch("[0-9]{3}-[a-c]+", out.choices[0].text) and out.choices[0].finish_reason == "stop"
+    choices = ["yes", "no", "maybe later"]
+    for seed in range(4):
+        for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+            out = client.chat.completions.create(
+                model=NAME, messages=chat, max_tokens=20, temperature=1, seed=seed, extra_body=extra
+            )
+            assert out.choices[0].message.content in choices
+    described = [{"role": "user", "content": "Describe a programmer as JSON."}]
+    outs = [
+        client.chat.completions.create(model=NAME, messages=described, temperature=0, max_tokens=120, **extra)
+        for extra in (
+            {"response_format": {"type": "json_object"}},
+            {"extra_body": {"structured_outputs": {"json_object": True}}},
+        )
+    ]
+    assert isinstance(json.loads(outs[1].choices[0].message.content), dict)
+    assert outs[0].choices[0].message.content == outs[1].choices[0].message.content
     for extra, param in [
         ({"guided_json": schema, "guided_regex": "a"}, "guided_regex"),
-        ({"guided_regex": "[0-9]+"}, "guided_regex"),
-        ({"guided_choice": ["yes", "no"]}, "guided_choice"),
+        ({"guided_regex": "(?=a)b"}, "guided_regex"),
+        ({"guided_regex": 5}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": ["a", 1]}, "guided_choice"),
         ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs"),
+        ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
         ({"guided_json": {"type": "whatever"}}, "guided_json"),
         ({"guided_json": "{not json"}, "guided_json"),
     ]:

@@ -225,27 +225,42 @@ def _refuse_what_cannot_be_honoured(body: dict, chat: bool) -> None:
 
 
 VLLM_STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice")
+STRUCTURED_OUTPUT_KEYS = ("json", "json_object", "regex", "choice")
 
 
 def vllm_structured(body: dict, after_think: bool = False) -> tuple[StructuredOutput, str] | None:
-    """vLLM's constraints: `structured_outputs` {"json": schema} or the older `guided_json`; (the spec, the field
-    that gave it), or None. Regex and choice constraints are refused by name until the grammar takes them."""
+    """vLLM's constraints: `structured_outputs` with one of {"json": schema, "json_object": true, "regex":
+    pattern, "choice": [strings]}, or the older `guided_json` / `guided_regex` / `guided_choice`; (the spec, the
+    field that gave it), or None. A grammar (`structured_outputs.grammar`, `guided_grammar`) is refused by name."""
     given = [name for name in VLLM_STRUCTURED if body.get(name) is not None]
     if not given:
         return None
     name, value = given[0], body[given[0]]
     if len(given) > 1:
         raise bad(f"'{given[0]}' and '{given[1]}' both constrain the output; give one.", given[1])
-    if name in ("guided_regex", "guided_choice"):
-        raise bad(f"'{name}' is not supported yet; use a JSON schema ('guided_json' or 'response_format').", name)
+    kind = name.removeprefix("guided_")
     if name == "structured_outputs":
-        keys = [k for k, v in value.items() if v is not None] if isinstance(value, dict) else None
-        if keys != ["json"]:
-            raise bad("'structured_outputs' takes {\"json\": schema} here (regex, choice and grammar: not yet).", name)
-        value = value["json"]
+        keys = [k for k, v in value.items() if v is not None and v is not False] if isinstance(value, dict) else None
+        if keys is None or len(keys) != 1 or keys[0] not in STRUCTURED_OUTPUT_KEYS:
+            raise bad(
+                "'structured_outputs' takes one of \"json\", \"json_object\", \"regex\" or \"choice\" here"
+                f" (got {sorted(value) if isinstance(value, dict) else type(value).__name__}).",
+                name,
+            )
+        kind, value = keys[0], value[keys[0]]
     try:
-        schema = json.loads(value) if isinstance(value, str) else value
-        return StructuredOutput(kind="json", schema=schema, after_think=after_think), name
+        if kind == "json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            return StructuredOutput(kind="json", schema=schema, after_think=after_think), name
+        if kind == "json_object":
+            if value is not True:
+                raise ValueError("\"json_object\" must be true")
+            return StructuredOutput(kind="json", after_think=after_think), name
+        if kind == "regex":
+            if not isinstance(value, str):
+                raise ValueError("the regex must be a string")
+            return StructuredOutput(kind="regex", pattern=value, after_think=after_think), name
+        return StructuredOutput(kind="choice", choices=value, after_think=after_think), name
     except (ValueError, TypeError) as e:
         raise bad(f"'{name}': {e}", name) from None
 
