@@ -217,7 +217,9 @@ def test_vllm_structured_outputs_json(server):
     )
     assert isinstance(json.loads(out.choices[0].message.content)["a"], int)
     for extra in ({"guided_regex": "[0-9]{3}-[a-c]+"}, {"structured_outputs": {"regex": "[0-9]{3}-[a-c]+"}}):
-        out = client.completions.create(model=NAME, prompt="x = ", max_tokens=40, temperature=1, seed=3, extra_body=extra)
+        out = client.completions.create(
+            model=NAME, prompt="x = ", max_tokens=40, temperature=1, seed=3, extra_body=extra
+        )
         assert re.fullmatch("[0-9]{3}-[a-c]+", out.choices[0].text) and out.choices[0].finish_reason == "stop"
     choices = ["yes", "no", "maybe later"]
     for seed in range(4):

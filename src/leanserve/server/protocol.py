@@ -243,7 +243,7 @@ def vllm_structured(body: dict, after_think: bool = False) -> tuple[StructuredOu
         keys = [k for k, v in value.items() if v is not None and v is not False] if isinstance(value, dict) else None
         if keys is None or len(keys) != 1 or keys[0] not in STRUCTURED_OUTPUT_KEYS:
             raise bad(
-                "'structured_outputs' takes one of \"json\", \"json_object\", \"regex\" or \"choice\" here"
+                '\'structured_outputs\' takes one of "json", "json_object", "regex" or "choice" here'
                 f" (got {sorted(value) if isinstance(value, dict) else type(value).__name__}).",
                 name,
             )
@@ -254,7 +254,7 @@ def vllm_structured(body: dict, after_think: bool = False) -> tuple[StructuredOu
             return StructuredOutput(kind="json", schema=schema, after_think=after_think), name
         if kind == "json_object":
             if value is not True:
-                raise ValueError("\"json_object\" must be true")
+                raise ValueError('"json_object" must be true')
             return StructuredOutput(kind="json", after_think=after_think), name
         if kind == "regex":
             if not isinstance(value, str):
