@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -373,6 +374,36 @@ def test_plans_name_constrained_requests_only_while_they_run(llm, tok):
         del llm.engine.executor.launch
 
 
+def test_masks_filled_while_the_model_runs_give_the_same_tokens(llm, tok):
+    """Filled on the worker thread during the model's step (where a core is free) or after it on the step's
+    thread: the same masks, so the same tokens, sampled and greedy, and the worker really ran."""
+    grammars = llm.engine.executor.runner.grammars
+    fills = []
+    fill = grammars._fill
+
+    def spy(*args):
+        fills.append(threading.current_thread() is threading.main_thread())
+        return fill(*args)
+
+    ps = prompts(tok, 4)
+    params = [
+        SamplingParams(temperature=t, seed=i, max_tokens=60, structured=json_spec(i)) for i, t in enumerate((0, 1))
+    ]
+    params += [SamplingParams(temperature=1, seed=7, max_tokens=20, ignore_eos=True)] * 2
+    outs = {}
+    grammars._fill = spy
+    try:
+        for overlap in (True, False):
+            grammars.overlap = overlap
+            fills.clear()
+            outs[overlap] = token_ids(llm.generate(ps, params))
+            assert fills and all(on_main != overlap for on_main in fills)
+    finally:
+        grammars.overlap = None
+        del grammars._fill
+    assert outs[True] == outs[False]
+
+
 def test_a_verified_row_is_masked_as_plain_decoding_would_mask_it(chat_ckpt):
     """Row j of a request with drafts: its matcher advanced by drafts[:j]; rows after a draft the grammar refuses
     are left as they are (that draft is rejected in its row); the matcher is back where it was afterwards."""
@@ -457,13 +488,18 @@ def plain_tokens(llm, tok):
     [
         dict(pipeline_parallel_size=2),  # (overlap on: two micro-batches in flight)
         dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
+        dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}, fill_overlap=True),
         dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
     ],
-    ids=["pp2-overlap", "mtp-k2", "ngram-k3"],
+    ids=["pp2-overlap", "mtp-k2", "mtp-k2-masks-on-a-worker", "ngram-k3"],
 )
 def test_speculation_and_pipelines_give_the_tokens_of_plain_decoding(chat_ckpt, tok, plain_tokens, kwargs):
     ps, params = mixed_requests(tok)
+    kwargs = dict(kwargs)
+    fill_overlap = kwargs.pop("fill_overlap", None)
     with engine(chat_ckpt, **kwargs) as other:
+        if fill_overlap:  # (the draft rows' masks filled on the worker thread)
+            other.engine.executor.runner.grammars.overlap = True
         got = other.generate(ps, params)
         metrics = other.spec_decode_metrics()
     n = len(params) if "pipeline_parallel_size" in kwargs else 6  # sampled tokens differ with speculation

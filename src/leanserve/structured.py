@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import llguidance
+import numpy as np
 import torch
 
 from leanserve.chat.dsml import (
@@ -399,7 +400,6 @@ def _raw_regex(s: dict) -> str:
 
 
 _executor: llguidance.LLExecutor | None = None
-_shifts: dict[torch.device, torch.Tensor] = {}
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
@@ -430,18 +430,23 @@ def fill_masks(matchers: Sequence[Matcher | None], bitmask: torch.Tensor) -> Non
         _executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
 
 
+def refused_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, words] CPU bitmask -> [R, vocab] bool, True for the tokens each row's mask leaves out (tokens beyond
+    the mask's width are left out too). Unpacked by numpy: one thread, no wake-up of torch's pool for a small
+    tensor."""
+    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+    refused = np.ones((bits.shape[0], vocab), dtype=np.bool_)
+    width = min(vocab, bits.shape[1])
+    np.equal(bits[:, :width], 0, out=refused[:, :width])
+    return torch.from_numpy(refused)
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Sets to -inf, in place, the logits of the tokens each row's mask leaves out ([R, V] logits, [R, words]
     bitmask on any device; tokens beyond the mask's width are left out too)."""
     rows, vocab = logits.shape
-    shifts = _shifts.get(logits.device)
-    if shifts is None:
-        shifts = _shifts[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
-    bits = bitmask[:rows].to(logits.device, non_blocking=True)
-    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(rows, -1).bool()
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    logits.masked_fill_(~allowed[:, :vocab], float("-inf"))
+    refused = refused_tokens(bitmask[:rows].cpu(), vocab)
+    logits.masked_fill_(refused.to(logits.device, non_blocking=True), float("-inf"))
 
 
 def apply_masks(logits: torch.Tensor, matchers: Sequence[Matcher | None], bitmask: torch.Tensor | None = None) -> None:

@@ -16,7 +16,9 @@ step while every request decodes); that tokens/s over the plain arm's (`vs_plain
 constrained arm, over the unconstrained one's (`vs_same_batch`); the constrained requests' tokens/s; the
 grammar's own time per decode step (the engine's `GrammarState` calls on the last stage, timed from outside:
 matchers made, masks filled and applied, matchers advanced); whether the plain requests' greedy tokens are the
-plain arm's. The masks are filled on the step's own thread, so their time is in every request's step.
+plain arm's. Where a core is free of the model's threads (`--threads` below the cores) the masks are filled on a
+worker thread while the model runs; else on the step's thread after it (`engine.grammar.overlap_fills`), and
+their time is in every request's step.
 """
 
 from __future__ import annotations

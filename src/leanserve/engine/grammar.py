@@ -9,11 +9,15 @@ names no constrained request (`StepPlan.structured` empty) makes no matcher, mas
     before anything is queued.
   - The last stage (`GrammarState`) keeps one `Matcher` per running constrained request: made at its first
     sampled chunk (compiled again there: the compiler keeps compiled grammars by source, and a compile takes
-    milliseconds), advanced by every token the stage emits for it, dropped by the first plan that no longer
-    names it (finished or aborted).
+    milliseconds), advanced by every token the stage emits for it (at the next fill), dropped by the first plan
+    that no longer names it (finished or aborted).
   - Masking: on the rows of constrained requests only, after logit bias and penalties and before temperature,
-    top-k and top-p, so sampled and greedy decoding both obey it. The logprobs stay the raw logits'. The
-    rows' masks are filled in parallel (`structured.fill_masks`) when there is enough work (PARALLEL_MASKS).
+    top-k and top-p, so sampled and greedy decoding both obey it. The logprobs stay the raw logits'. A mask
+    depends only on tokens already emitted and the step's drafts, so where a core is free of the model's
+    threads (`overlap_fills`) `begin` starts the step's fill on a worker thread before the model runs and
+    `mask` takes it when the logits are ready; otherwise `mask` fills them. A fill first advances the matchers
+    by the tokens `record` kept, then fills the rows (in parallel through llguidance when there is enough work,
+    PARALLEL_MASKS) and unpacks them into the rows' refused tokens.
     Once the grammar is complete only EOS is allowed, so the request's next token is EOS (finish "stop");
     max_tokens may cut it first ("length").
   - Speculative decoding: drafts are verified against exact masks. Row j of a request with drafts is masked
@@ -29,13 +33,15 @@ names no constrained request (`StepPlan.structured` empty) makes no matcher, mas
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import torch
 
 from leanserve.config import ModelConfig
 from leanserve.sampling_params import StructuredOutput
-from leanserve.structured import Grammar, GrammarCompiler, Matcher, apply_bitmask, fill_masks
+from leanserve.structured import Grammar, GrammarCompiler, Matcher, fill_masks, refused_tokens
 from leanserve.tokenizer import Tokenizer, generation_eos_ids
 
 # Masks are filled in parallel (llguidance's thread pool, `structured.fill_masks`) from this many rows times
@@ -77,13 +83,28 @@ def compile_structured(compiler: GrammarCompiler, spec: StructuredOutput) -> Gra
     return grammar
 
 
+def overlap_fills(device: torch.device) -> bool:
+    """Whether a step's masks are filled on a worker thread while the model runs: when the model runs on an
+    accelerator, or on fewer CPU threads than this process may use. Otherwise the model's threads hold every
+    core and a worker would only slow them (a parallel kernel waits for its preempted thread), so the masks are
+    filled on the step's thread once the logits are ready."""
+    return device.type != "cpu" or torch.get_num_threads() < len(os.sched_getaffinity(0))
+
+
 class GrammarState:
     """The last stage's matchers, one per running constrained request (by seq id)."""
 
-    def __init__(self, model_dir: str, cfg: ModelConfig) -> None:
-        self.model_dir, self.cfg = model_dir, cfg
+    def __init__(
+        self, model_dir: str, cfg: ModelConfig, device: torch.device | str = "cpu", overlap: bool | None = None
+    ) -> None:
+        """`overlap`: fill masks on a worker thread while the model runs; None decides by `overlap_fills` at
+        each step (the threads the model runs on may change)."""
+        self.model_dir, self.cfg, self.device, self.overlap = model_dir, cfg, torch.device(device), overlap
         self.matchers: dict[int, Matcher] = {}
         self._compiler: GrammarCompiler | None = None
+        self._worker: ThreadPoolExecutor | None = None  # (made when a constrained request first comes)
+        self._pending = None  # between begin and mask: (the step's samples, rows, future of its refused tokens)
+        self._emitted: dict[int, list[int]] = {}  # tokens recorded since the last fill, per request
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -92,10 +113,13 @@ class GrammarState:
         return self._compiler
 
     def begin(self, structured: tuple[int, ...], samples) -> None:
-        """Before a step's verification: matchers of requests the plan no longer names dropped, a matcher made
-        for each constrained request sampled for the first time."""
+        """Before the step's model runs: matchers of requests the plan no longer names dropped, a matcher made
+        for each constrained request sampled for the first time, and the step's masks started on the worker
+        thread (`mask` takes them when the logits are ready)."""
+        self._join()  # (a step that failed after its begin left its fill behind)
         if not structured:
             self.matchers.clear()
+            self._emitted.clear()
             return
         named = set(structured)
         for seq_id in [i for i in self.matchers if i not in named]:
@@ -105,12 +129,17 @@ class GrammarState:
             if spec is not None and s.seq_id not in self.matchers:
                 grammar = compile_structured(self.compiler, spec)
                 self.matchers[s.seq_id] = Matcher(grammar, thinking=spec.after_think)
+        rows, matchers, later = self._rows(samples)
+        if rows and (self.overlap if self.overlap is not None else overlap_fills(self.device)):
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="leanserve-grammar")
+            work = (self._take_emitted(), rows, matchers, later)
+            self._pending = (samples, rows, self._worker.submit(self._fill, *work))
 
-    def mask(self, logits: torch.Tensor, samples) -> torch.Tensor:
-        """[R, V] logits of a step's verified rows (len(drafts) + 1 per sample, in order) -> a new tensor
-        whose constrained rows have the tokens their grammar refuses at -inf; `logits` itself when no sample is
-        constrained. `logits` is never written."""
-        firsts, matchers, later = [], [], []  # each constrained request's first row and matcher; draft rows
+    def _rows(self, samples) -> tuple[list[int], list[Matcher], list]:
+        """The step's constrained rows (each request's first row, then its draft rows), their requests'
+        matchers, and per request with drafts (matcher, drafts, its draft rows)."""
+        firsts, matchers, later = [], [], []
         row = 0
         for s in samples:
             m = self.matchers.get(s.seq_id) if s.params.structured is not None else None
@@ -120,18 +149,30 @@ class GrammarState:
                 if s.drafts:
                     later.append((m, s.drafts, range(row + 1, row + 1 + len(s.drafts))))
             row += len(s.drafts) + 1
-        if not firsts:
-            return logits
-        rows = firsts + [r for _, _, drafted in later for r in drafted]
+        return firsts + [r for _, _, drafted in later for r in drafted], matchers, later
+
+    def _take_emitted(self) -> list[tuple[int, Matcher, list[int]]]:
+        """The tokens `record` kept since the last fill, for the matchers still running."""
+        emitted = [(i, self.matchers[i], t) for i, t in self._emitted.items() if i in self.matchers]
+        self._emitted.clear()
+        return emitted
+
+    def _fill(self, emitted, rows: list[int], matchers: list[Matcher], later: list) -> torch.Tensor:
+        """(On the worker thread, while the model runs.) The matchers advanced by the tokens emitted since the
+        last fill; the first rows' masks at their matchers' states, in parallel when there is enough work; the
+        rows after drafts one at a time (the matcher advanced by the drafts before the row, then rolled back).
+        Returns [rows, vocab] bool, True where a token is refused."""
+        for seq_id, m, tokens in emitted:
+            for t in tokens:
+                if not m.accept(t):
+                    raise RuntimeError(f"request {seq_id}: token {t} was emitted against its grammar")
         bitmask = torch.full((len(rows), matchers[0].mask_words), -1, dtype=torch.int32)
-        # The first rows at their matchers' states, in parallel; then the rows after drafts, one at a time: the
-        # matcher advanced by the drafts before the row, then rolled back.
         if len(matchers) * self.cfg.vocab_size >= PARALLEL_MASKS:
-            fill_masks(matchers, bitmask[: len(firsts)])
+            fill_masks(matchers, bitmask[: len(matchers)])
         else:
             for i, m in enumerate(matchers):
                 m.fill_mask(bitmask[i])
-        at, eos = len(firsts), self.compiler.eos_ids
+        at, eos = len(matchers), self.compiler.eos_ids
         for m, drafts, drafted in later:
             accepted = 0
             for d in drafts:
@@ -141,22 +182,44 @@ class GrammarState:
                 accepted += 1
             m.rollback(accepted)
             at += len(drafted)
+        return refused_tokens(bitmask, self.cfg.vocab_size)
+
+    def _join(self, samples=None):
+        """Waits for the pending fill (its error raised here); its (rows, refused) when it was started for these
+        `samples`, else None."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        started_for, rows, done = pending
+        refused = done.result()
+        return (rows, refused) if started_for is samples else None
+
+    def mask(self, logits: torch.Tensor, samples) -> torch.Tensor:
+        """[R, V] logits of a step's verified rows (len(drafts) + 1 per sample, in order) -> a new tensor
+        whose constrained rows have the tokens their grammar refuses at -inf; `logits` itself when no sample is
+        constrained. `logits` is never written. The masks `begin` started for these samples, or filled now."""
+        filled = self._join(samples)
+        if filled is None:
+            rows, matchers, later = self._rows(samples)
+            if not rows:
+                return logits
+            filled = rows, self._fill(self._take_emitted(), rows, matchers, later)
+        rows, refused = filled
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        sub = logits.index_select(0, index).float()
-        apply_bitmask(sub, bitmask)
+        sub = logits.index_select(0, index).float().masked_fill_(refused.to(logits.device), float("-inf"))
         return logits.float().index_copy(0, index, sub)
 
     def record(self, samples, emitted: dict) -> None:
-        """After verification: each constrained request's matcher advanced by the tokens the stage emitted for
-        it (its accepted drafts and its sampled token), up to an EOS, which ends it."""
+        """After verification: the tokens the stage emitted for each constrained request (its accepted drafts
+        and its sampled token, up to an EOS, which ends it), kept for the next fill to advance its matcher by."""
         if not self.matchers:
             return
+        eos = self.compiler.eos_ids
         for s in samples:
-            m = self.matchers.get(s.seq_id) if s.params.structured is not None else None
-            if m is None:
+            if s.params.structured is None or s.seq_id not in self.matchers:
                 continue
+            tokens = self._emitted.setdefault(s.seq_id, [])
             for t in emitted[s.seq_id]:
-                if not m.accept(t.token_id):
-                    raise RuntimeError(f"request {s.seq_id}: token {t.token_id} was emitted against its grammar")
-                if t.token_id in self.compiler.eos_ids:
+                tokens.append(t.token_id)
+                if t.token_id in eos:
                     break

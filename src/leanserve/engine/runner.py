@@ -176,7 +176,7 @@ class StageRunner:
         # Per-slot token counts for the penalties: no tensor until a running request has penalties.
         self.penalties = PenaltyState(ledger, config.max_num_seqs, cfg.vocab_size) if layout.is_last else None
         # Grammar matchers of running requests with structured output: none (nor a compiler) until one comes.
-        self.grammars = GrammarState(config.model, cfg) if layout.is_last else None
+        self.grammars = GrammarState(config.model, cfg, self.device) if layout.is_last else None
         self.proposer = None
         if layout.is_last and spec is not None and spec.method in ("mtp", "draft_model"):
             common = dict(k=num_spec, num_slots=config.max_num_seqs, sampler=self.sampler, ledger=ledger)
@@ -295,13 +295,14 @@ class StageRunner:
         logits_index = list(plan.logits_rows) if last else None
         fb = build_forward_batch(list(plan.chunks), self.geometry, logits_index=logits_index, device=self.device)
         streams = received.streams if received is not None else None
+        if last:  # (before the model runs: the step's grammar masks are filled while it does)
+            self.grammars.begin(plan.structured, plan.samples)
         out = self.model.trunk(fb, self.caches, streams, target_hidden=self.target_hidden if capture_hidden else None)
         if not last:
             return IntermediateStreams(out)
         # The head at the sampled rows, and only for requests asking for prompt logprobs at their prompt rows.
         prompt = self._prompt_logprobs(out, plan.prompt_logprobs) if plan.prompt_logprobs else {}
         self.penalties.begin(plan.penalty_slots, plan.chunks, plan.samples)
-        self.grammars.begin(plan.structured, plan.samples)
         tokens = self._verify(self.model.head_logits(out[fb.logits_index]), plan.samples) if plan.samples else {}
         drafts = self._propose(plan, tokens) if propose and self.proposer is not None else {}
         outputs = {
