@@ -6,8 +6,8 @@ a `Grammar`; each constrained request gets a `Matcher` that writes the tokens al
 (`fill_mask`: bit ``t % 32`` of int32 word ``t // 32`` set = token t allowed) and advances by the token the
 sampler drew (`accept`). `fill_masks` / `apply_bitmask` / `apply_masks` do a batch of rows at once.
 
-Why llguidance (measured against xgrammar 0.2.9 on this project's byte-level BPE tokenizer with DeepSeek-V4's
-chat tokens added; both are fast enough, microseconds per token, so correctness decided):
+Why llguidance (compared with xgrammar 0.2.9 on this project's byte-level BPE tokenizer with DeepSeek-V4's
+chat tokens added; both fill a mask far faster than a decode step, so correctness decided):
 
 - special tokens: llguidance keeps the tokenizer's special tokens (BOS, EOS, ``<｜User｜>``, ``<think>``,
   ``</think>``...) apart from text, so no text in a grammar can be written with them, and a grammar names one

@@ -4,8 +4,8 @@
 Why on the event loop and not on a thread of its own: the HTTP side's work per token is small, but from a
 thread of its own each token cost a cross-thread wake-up, and every system call of the event loop (its
 select, the socket writes) handed the GIL back and forth with the engine thread, each hand-off a context
-switch and each competing with the engine's kernels for the cores: streaming cost 1.2-1.5x the engine's
-own step per token. Here a step runs, then the event loop gets a few turns to carry its tokens to the
+switch and each competing with the engine's kernels for the cores, so streaming cost far more than the
+engine's own step per token (`leanserve bench serve --vs-engine` compares the two). Here a step runs, then the event loop gets a few turns to carry its tokens to the
 sockets and to take new requests and disconnects; then the next step. A client's socket never blocks a step
 (writes are buffered); a step holds the HTTP side up for its length (a long prefill, or with pipeline
 parallelism the wait for the other stages), as it held up the tokens anyway.
