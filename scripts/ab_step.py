@@ -48,7 +48,9 @@ def runner(pkg: str, model: str, dtype: str, batch: int, max_len: int, tokens: i
     topo = importlib.import_module(f"{pkg}.engine.topology")
     eng = importlib.import_module(f"{pkg}.engine.llm_engine")
     cfg = cfg_mod.ModelConfig.from_hf(model)
-    config = cfg_mod.EngineConfig(model, max_model_len=max_len, max_num_seqs=batch, max_num_batched_tokens=tokens)
+    # (EngineConfig lives in engine/config.py now, in config.py at older refs)
+    engine_cfg = getattr(cfg_mod, "EngineConfig", None) or importlib.import_module(f"{pkg}.engine.config").EngineConfig
+    config = engine_cfg(model, max_model_len=max_len, max_num_seqs=batch, max_num_batched_tokens=tokens)
     layout = topo.PipelineTopology.build(cfg, 1).layout(0)
     r = run_mod.StageRunner(cfg, config, layout, eng.resolve_dtype(dtype, model), max_len, progress=False)
     r.warmup()

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from leanserve.bench.formats import memory_bandwidth
-from leanserve.model import cpu_kernels as ck
-from leanserve.model import decode
-from leanserve.model.cpu_backend import numpy_views
-from leanserve.model.moe import MoEWeights
+from leanserve.model.backends.cpu import arrays
+from leanserve.model.backends.cpu import kernels as ck
+from leanserve.model.backends.cpu.views import numpy_views
 from leanserve.model.quant import Fp4Weight, Fp8Experts, quantize_fp4, quantize_fp8
+from leanserve.model.weights import MoEWeights
 
 
 def nbytes(w) -> int:
@@ -102,13 +102,13 @@ def main() -> None:
 
     print(f"linear {args.out} x {args.in_}; MoE {e} experts (all routed) of {inter} x {h} + a shared one")
     print(f"{'case':<18}{'batch':>6}{'ms':>9}{'MB read':>9}{'GB/s':>8}{'of bw':>8}")
-    moe_a = {k: decode.moe_args(w) for k, w in moe_w.items()}  # (the MoE kernel's weight arguments)
+    moe_a = {k: arrays.moe_args(w) for k, w in moe_w.items()}  # (the MoE kernel's weight arguments)
     for batch in [int(b) for b in args.batches.split(",")]:
         x = np.ascontiguousarray(torch.randn(batch, args.in_, generator=gen).numpy())
         xm = np.ascontiguousarray(torch.randn(batch, h, generator=gen).numpy())
         ids = np.zeros(batch, dtype=np.int64)
         cases = {f"linear {k}": (lambda w=w, x=x: ck.matmuls(x, (w,))) for k, w in lin.items()}
-        cases |= {f"moe {k}": (lambda a=a, xm=xm, ids=ids: decode.moe_arrays(xm, ids, a)) for k, a in moe_a.items()}
+        cases |= {f"moe {k}": (lambda a=a, xm=xm, ids=ids: arrays.moe_arrays(xm, ids, a)) for k, a in moe_a.items()}
         sizes = {f"linear {k}": nbytes(w) for k, w in lin.items()} | {f"moe {k}": b for k, b in moe_bytes.items()}
         for k, s in timed(cases, args.rounds).items():
             gbs = sizes[k] / s / 1e9

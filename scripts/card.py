@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from leanserve.bench.prompts import EXCLUDED_DIRS, HELDOUT_PER_MILLE
 from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from leanserve.model.deepseek_v4 import DeepseekV4
 from leanserve.train import data as data_mod
@@ -289,7 +290,7 @@ def _data(model_dir: Path, summary: dict[str, Any], figures: dict[str, Any] | No
     what = "The `.py` files" if tc.get("corpus") else f"The `.py` sources of the standard library of {version}"
     files = summary.get("corpus_files", {})
     n_held, source = heldout_tokens(model_dir, summary, figures)
-    excluded = ", ".join(f"`{d}/`" for d in sorted(data_mod.EXCLUDED_DIRS))
+    excluded = ", ".join(f"`{d}/`" for d in sorted(EXCLUDED_DIRS))
     rows = [
         ("training files", f"{files.get('train', '?'):,}" if "train" in files else "not recorded"),
         (
@@ -303,8 +304,8 @@ def _data(model_dir: Path, summary: dict[str, Any], figures: dict[str, Any] | No
         f"{what} under `{root}`, skipping {excluded}. Every file is "
         f"`<bos>` + text + `<eos>`; files are concatenated into one token stream and training samples random "
         f"windows of it.\n\nThe split is **by file**: a file is held out when the first 4 bytes of sha256(its path "
-        f"relative to the corpus root) mod 1000 are below {data_mod.HELDOUT_PER_MILLE} (about "
-        f"{data_mod.HELDOUT_PER_MILLE / 10:g}% of the files). The tokenizer and the model never saw a held-out "
+        f"relative to the corpus root) mod 1000 are below {HELDOUT_PER_MILLE} (about "
+        f"{HELDOUT_PER_MILLE / 10:g}% of the files). The tokenizer and the model never saw a held-out "
         f"file.\n\n" + _table(("split", "size"), rows)
     )
 

@@ -13,8 +13,9 @@ import torch
 from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from leanserve.make_random import make_random
 from leanserve.model.batch import Chunk, build_forward_batch
+from leanserve.model.build import build_model
 from leanserve.model.cache import CacheGeometry
-from leanserve.model.deepseek_v4 import DeepseekV4, build_model
+from leanserve.model.deepseek_v4 import DeepseekV4
 from leanserve.model.loader import has_mtp_weights, load_weights
 
 MAX_LEN = 256

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from leanserve.config import ModelConfig
-from leanserve.model import batch, cpu_kernels
+from leanserve.model import batch
+from leanserve.model.backends.cpu import kernels as cpu_kernels
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.cache import CacheGeometry
 

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from leanserve.model import cpu_kernels
-from leanserve.model.backend import TorchBackend, select_backend, set_backend
-from leanserve.model.hyper import MixWeights
+from leanserve.model.backends import TorchBackend, select_backend
+from leanserve.model.backends.cpu import kernels as cpu_kernels
+from leanserve.model.layers import set_backend
+from leanserve.model.weights import MixWeights
 
 pytestmark = pytest.mark.skipif(cpu_kernels.numba is None, reason="numba is not installed")
 
@@ -17,7 +18,7 @@ TORCH = TorchBackend()
 
 
 def _cpu():
-    from leanserve.model.cpu_backend import CpuBackend
+    from leanserve.model.backends.cpu.backend import CpuBackend
 
     return CpuBackend()
 
@@ -36,7 +37,7 @@ def _module_both(module, *args):
 
 
 def test_backend_is_chosen_from_device_dtype_and_kernels():
-    from leanserve.model.cpu_backend import CpuBackend
+    from leanserve.model.backends.cpu.backend import CpuBackend
 
     assert isinstance(select_backend("cpu", torch.float32), CpuBackend)
     assert isinstance(select_backend("cpu", torch.bfloat16), CpuBackend)
@@ -119,8 +120,8 @@ def test_hc_pre_and_post_match_torch(tokens):
 def test_hc_post_then_pre_in_one_call(tokens):
     # The decode path runs one site's hc_post and the next site's hc_pre as one kernel call below FUSED_MIX tokens
     # (the separate calls above it): the same streams, next input and weights as the two calls one after the other.
-    from leanserve.model import decode
-    from leanserve.model.cpu_backend import numpy_views
+    from leanserve.model.backends.cpu import arrays
+    from leanserve.model.backends.cpu.views import numpy_views
 
     gen = torch.Generator().manual_seed(tokens)
     hc, dim = 4, 32
@@ -132,15 +133,15 @@ def test_hc_post_then_pre_in_one_call(tokens):
 
     streams = torch.randn(tokens, hc, dim, generator=gen).numpy()
     first, second = mix(), mix()
-    _, before = decode.hc_pre_arrays(streams, first)
+    _, before = arrays.hc_pre_arrays(streams, first)
     block_out = torch.randn(tokens, dim, generator=gen).numpy()
-    fused = decode.mixed_in(streams, second, (block_out, before))
-    after = decode.hc_post_arrays(block_out, streams, *decode.post_comb(before, hc))
-    apart = (after, *decode.hc_pre_arrays(after, second))
+    fused = arrays.mixed_in(streams, second, (block_out, before))
+    after = arrays.hc_post_arrays(block_out, streams, *arrays.post_comb(before, hc))
+    apart = (after, *arrays.hc_pre_arrays(after, second))
     for a, b in zip(fused, apart, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     assert not np.allclose(fused[0], streams)  # (the post-mix changed the streams)
-    np.testing.assert_allclose(decode.settled(streams, (block_out, before)), after)
+    np.testing.assert_allclose(arrays.settled(streams, (block_out, before)), after)
 
 
 @pytest.mark.parametrize("tokens", [1, 9])
@@ -167,7 +168,7 @@ def test_moe_kernel_matches_torch(kind, scoring, weight_dtype, tokens):
 @pytest.mark.parametrize("kind", ["moe", "hash_moe"])
 def test_moe_of_large_experts_in_a_prefill_matches_torch(kind, monkeypatch):
     # Experts above SMALL_EXPERT take torch's grouped matmuls over rows grouped by expert from FEW_ROWS rows on.
-    from leanserve.model import cpu_backend
+    from leanserve.model.backends.cpu import backend as cpu_backend
 
     monkeypatch.setattr(cpu_backend, "SMALL_EXPERT", 0)
     moe = _check_moe(kind, "sqrtsoftplus", torch.float32, 300)
@@ -178,7 +179,7 @@ def _check_moe(kind, scoring, weight_dtype, tokens):
     from dataclasses import replace
 
     from leanserve.config import ModelConfig
-    from leanserve.model.cpu_backend import FEW_ROWS
+    from leanserve.model.backends.cpu.backend import FEW_ROWS
     from leanserve.model.moe import MoE
 
     tokens = FEW_ROWS if tokens == "few" else tokens
@@ -246,7 +247,7 @@ def _fill_quantized(model: torch.nn.Module, plain: torch.nn.Module) -> None:
 def test_kernels_dequantize_as_quant_py():
     # Every e4m3 byte (but its NaNs) and every e2m1 code, times scales from 2^-127 to 2^127: the kernels' decoding
     # is quant.py's dequantization, bit for bit (prefill dequantizes with it; the few-row kernels decode the same).
-    from leanserve.model.cpu_backend import numpy_views
+    from leanserve.model.backends.cpu.views import numpy_views
     from leanserve.model.quant import Fp4Weight, Fp8Weight
 
     gen = torch.Generator().manual_seed(5)
@@ -328,7 +329,7 @@ def quantized_models(tiny_model):
     from dataclasses import replace
 
     from leanserve.config import Quantization
-    from leanserve.model.deepseek_v4 import build_model
+    from leanserve.model.build import build_model
 
     models = {}
     for experts in ("fp4", "fp8"):
@@ -368,7 +369,7 @@ def test_quantized_model_decodes_as_the_torch_backend(experts, quantized_models,
     # as on the torch backend, which dequantizes them per call. (A 70-token prefill: torch matmuls on weights the
     # kernels dequantize one at a time; then 9 decode steps through the kernels; compressed rows past the
     # indexer's top-k.)
-    from leanserve.model.backend import TorchBackend
+    from leanserve.model.backends import TorchBackend
 
     model = quantized_models[experts]
     prompt = list(range(3, 73))
@@ -384,8 +385,8 @@ def test_quantized_model_decodes_as_the_torch_backend(experts, quantized_models,
 
 @pytest.fixture
 def decode_calls(monkeypatch) -> dict[str, int]:
-    """Counts the CPU backend's whole-step numpy path: decode.run_blocks (trunk) and decode.mtp_inputs (MTP)."""
-    from leanserve.model import decode
+    """Counts the CPU backend's whole-step numpy path: decode.blocks (trunk) and decode.mtp_input (MTP)."""
+    from leanserve.model.backends.cpu import decode
 
     calls = {"blocks": 0, "mtp": 0}
 
@@ -396,14 +397,14 @@ def decode_calls(monkeypatch) -> dict[str, int]:
 
         return wrapped
 
-    monkeypatch.setattr(decode, "run_blocks", counting("blocks", decode.run_blocks))
-    monkeypatch.setattr(decode, "mtp_inputs", counting("mtp", decode.mtp_inputs))
+    monkeypatch.setattr(decode, "blocks", counting("blocks", decode.blocks))
+    monkeypatch.setattr(decode, "mtp_input", counting("mtp", decode.mtp_input))
     return calls
 
 
 def test_quantized_decode_steps_take_the_cpu_fast_path(quantized_models, lean_runner_cls, decode_calls):
-    # Quantized models' decode steps (and their MTP steps) run whole through decode.run_blocks and
-    # decode.mtp_inputs, the kernels reading FP8 / FP4 weights as stored.
+    # Quantized models' decode steps (and their MTP steps) run whole through decode.blocks and
+    # decode.mtp_input, the kernels reading FP8 / FP4 weights as stored.
     calls = decode_calls
     for model in quantized_models.values():
         set_backend(model, _cpu())
@@ -414,8 +415,8 @@ def test_quantized_decode_steps_take_the_cpu_fast_path(quantized_models, lean_ru
 
 
 def test_padded_experts_match_grouped_matmul():
-    from leanserve.model.cpu_backend import padded_experts
-    from leanserve.model.torch_ops import experts as grouped_experts
+    from leanserve.model.backends.cpu.backend import padded_experts
+    from leanserve.model.torch_math.ops import experts as grouped_experts
 
     gen = torch.Generator().manual_seed(3)
     experts, hidden, inter = 8, 32, 16
@@ -456,8 +457,8 @@ def test_engine_with_kernels_matches_torch_backend(dtype):
 
 @pytest.mark.parametrize("spec", [None, {"method": "mtp", "num_speculative_tokens": 1}])
 def test_decode_steps_take_the_cpu_fast_path(spec, decode_calls):
-    # Decode steps (and verification and MTP steps) on the CPU backend run whole through decode.run_blocks and
-    # the MTP layer through decode.mtp_inputs: if the CPU backend stopped taking them (decoding 2-3x slower,
+    # Decode steps (and verification and MTP steps) on the CPU backend run whole through decode.blocks and
+    # the MTP layer through decode.mtp_input: if the CPU backend stopped taking them (decoding 2-3x slower,
     # same tokens), this fails.
     from leanserve import LLM, SamplingParams
 
@@ -480,23 +481,23 @@ def test_mtp_drafts_take_the_cpu_fast_path(monkeypatch, decode_calls):
     # the logits' argmax with no sampler call: if either came back (same tokens, the draft step dearer), this fails.
     from leanserve import LLM, SamplingParams
     from leanserve.engine.sampler import STREAM_DRAFT, Sampler
-    from leanserve.model.deepseek_v4 import DeepseekV4
+    from leanserve.model.backends import TorchBackend
 
     calls = decode_calls
     llm = LLM("models/dsv4-stdlib-8m", dtype="bfloat16", max_model_len=64, load_progress=False,
               speculative_config={"method": "mtp", "num_speculative_tokens": 2})  # fmt: skip
     slow = {"mtp_torch": [], "draft_samples": 0}
-    mtp_torch, sample = DeepseekV4.mtp_torch, Sampler.sample
+    mtp_torch, sample = TorchBackend.run_mtp, Sampler.sample
 
-    def counted_mtp_torch(self, streams, fb, caches):
+    def counted_mtp_torch(self, w, streams, fb, cache):
         slow["mtp_torch"].append(fb.num_tokens)
-        return mtp_torch(self, streams, fb, caches)
+        return mtp_torch(self, w, streams, fb, cache)
 
     def counted_sample(self, *args, stream=0, **kw):
         slow["draft_samples"] += stream == STREAM_DRAFT
         return sample(self, *args, stream=stream, **kw)
 
-    monkeypatch.setattr(DeepseekV4, "mtp_torch", counted_mtp_torch)
+    monkeypatch.setattr(TorchBackend, "run_mtp", counted_mtp_torch)
     monkeypatch.setattr(Sampler, "sample", counted_sample)
     calls.update(blocks=0, mtp=0)  # (the warm-up's)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -512,7 +513,7 @@ def test_threaded_kernels_match_one_thread(monkeypatch):
     # 20 blocks, prefills of up to 70 tokens): the same tokens, and logprobs that differ at most by float32
     # rounding (the two builds are compiled separately and may vectorise a sum in a different order).
     from leanserve import LLM, SamplingParams
-    from leanserve.model.cpu_kernels.base import Threaded
+    from leanserve.model.backends.cpu.kernels.base import Threaded
 
     ran = set()  # the kernels whose threaded build ran
     for name in dir(cpu_kernels):
@@ -544,7 +545,7 @@ def test_threaded_kernels_match_one_thread(monkeypatch):
 def test_quantized_kernels_threaded_match_one_thread():
     # The threaded builds of the FP8 linear, grouped linear, dequantization and the MoE on FP4 experts: each task
     # writes only its own outputs, so they agree with the one-thread builds (up to float32 rounding).
-    from leanserve.model.cpu_backend import numpy_views
+    from leanserve.model.backends.cpu.views import numpy_views
     from leanserve.model.quant import quantize_fp4, quantize_fp8
 
     gen = torch.Generator().manual_seed(2)
@@ -574,6 +575,7 @@ def test_index_select_matches_torch_with_ties():
     from types import SimpleNamespace
 
     from leanserve.model.compressor import Indexer
+    from leanserve.model.torch_math.compressor import index_select
 
     gen = torch.Generator().manual_seed(11)
     heads, dim, topk, n = 4, 8, 5, 12
@@ -588,7 +590,7 @@ def test_index_select_matches_torch_with_ties():
     visible = torch.tensor([[12, 4, 9], [11, 12, 0]])
     group = SimpleNamespace(gather=lambda x: x[q_rows], block_slot=slot)
     mask = (torch.arange(n) < visible[..., None]) & q_valid[..., None]
-    ref = indexer.select((q, head_w), group, keys, mask)
+    ref = index_select(indexer.weights(), (q, head_w), group, keys, mask)
     fast = torch.from_numpy(np.empty((2, 3, n), dtype=np.bool_))
     cpu_kernels.index_select(q_rows.shape[0], q.numpy(), head_w.numpy(), q_rows.numpy(), q_valid.numpy(), slot.numpy(), keys.numpy(),
                              visible.numpy(), topk, dim**-0.5, fast.numpy())  # fmt: skip
@@ -641,7 +643,7 @@ def test_the_cpu_backend_keeps_freed_activation_memory_for_reuse():
     # A prefill's activations are megabytes a layer: freed, they are reused rather than page-faulted in afresh.
     import resource
 
-    from leanserve.model.cpu_backend import CpuBackend
+    from leanserve.model.backends.cpu.backend import CpuBackend
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig
 from leanserve.model.batch import Chunk
-from leanserve.model.deepseek_v4 import build_model
+from leanserve.model.build import build_model
 from leanserve.model.loader import CheckpointError, has_mtp_weights, load_weights
 
 SINGLE = "model.safetensors"

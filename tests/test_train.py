@@ -16,7 +16,7 @@ import card  # scripts/card.py: conftest puts scripts/ on sys.path
 from card import card_main
 from leanserve import LLM, SamplingParams
 from leanserve.config import ConfigError
-from leanserve.model import hyper
+from leanserve.model.torch_math import mhc
 from leanserve.train import data
 from leanserve.train import forward as fwd
 from leanserve.train.architecture import model_config, new_model
@@ -223,7 +223,7 @@ def test_compiled_mhc_trains_the_same_model_as_eager_mhc():
     if fwd.compiled_mhc() is None:
         pytest.skip("torch.compile cannot compile on this machine (no C++ compiler)")
     eager, compiled = (fwd.make_ctx(model, 2, 96, compiled=c) for c in (False, True))
-    assert compiled.hc_pre is not hyper.hc_pre and eager.hc_pre is hyper.hc_pre
+    assert compiled.hc_pre is not mhc.hc_pre and eager.hc_pre is mhc.hc_pre
     grads = []
     for ctx in (eager, compiled):
         model.zero_grad(set_to_none=True)
@@ -256,7 +256,8 @@ def test_training_runs_eagerly_where_torch_compile_cannot(monkeypatch, tmp_path,
 def trained_like_model(backend: str):
     """TINY_MODEL (sliding, CSA, HCA; hash and top-k MoE) with the parameters the init leaves at 0 or 1 (mHC
     base and scale, sinks, ape, norms, router biases) made random, so that none of them can drift unseen."""
-    from leanserve.model.backend import select_backend, set_backend
+    from leanserve.model.backends import select_backend
+    from leanserve.model.layers import set_backend
 
     model = new_model(model_config(vocab_size=320, **TINY_MODEL), seq_len=96, seed=0)
     set_backend(model, select_backend("cpu", torch.float32, backend))
@@ -281,8 +282,8 @@ def test_parity_check_catches_a_training_layout_that_drifts(monkeypatch, drift):
     model = trained_like_model("torch")
     ids = torch.randint(0, 320, (2, 98), generator=torch.Generator().manual_seed(0))
     if drift == "the indexer picks the lowest":
-        scores = fwd._indexer_scores
-        monkeypatch.setattr(fwd, "_indexer_scores", lambda *a: -scores(*a))
+        scores = fwd.index_scores_all
+        monkeypatch.setattr(fwd, "index_scores_all", lambda *a: -scores(*a))
     else:
         make_ctx = fwd.make_ctx
 

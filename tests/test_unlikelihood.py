@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from card import card_main
 from leanserve import LLM, SamplingParams
 from leanserve.config import ModelConfig
-from leanserve.model.deepseek_v4 import build_model
+from leanserve.model.build import build_model
 from leanserve.model.loader import load_weights
 from leanserve.train.forward import make_ctx, trunk_forward
 from leanserve.train.trainer import train

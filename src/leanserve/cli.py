@@ -8,22 +8,10 @@ import logging
 import sys
 from pathlib import Path
 
+from leanserve.bench import formats, hidden_copy, pp, spec, spec_cost, step, structured, throughput
+from leanserve.bench import serve as bench_serve
+from leanserve.bench.options import int_list, prepare
 from leanserve.errors import EngineDied, StageFailure
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _dtype_list(text: str) -> list[str]:
-    names = [t for t in text.replace(" ", "").split(",") if t]
-    bad = [n for n in names if n not in ("float32", "bfloat16")]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes from float32, bfloat16; got {text!r}")
-    return names
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -32,7 +20,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--pipeline-layer-counts",
-        type=_int_list,
+        type=int_list,
         default=None,
         help="layers per stage, e.g. 3,2,2 (default: even split)",
     )
@@ -55,12 +43,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="complete one prompt and print the result with timing")
+def _generate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model directory (HF format: config.json + safetensors)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json in the model dir)")
-    src.add_argument("--prompt-token-ids", type=_int_list, help="prompt as comma-separated token ids")
+    src.add_argument("--prompt-token-ids", type=int_list, help="prompt as comma-separated token ids")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -74,8 +61,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     _add_engine_options(p)
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="the OpenAI-compatible server (completions, chat, streaming, /metrics)")
+def _serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the one used is printed)")
@@ -104,8 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_memory(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("memory", help="the memory ledger per pipeline stage: weights and every persistent buffer")
+def _memory_options(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model directory: starts the engine and reports what it allocated")
     src.add_argument(
@@ -126,8 +111,7 @@ def _add_memory(sub: argparse._SubParsersAction) -> None:
     _add_engine_options(p)
 
 
-def _add_make_random(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("make-random", help="write a random-weight DeepSeek-V4 checkpoint")
+def _make_random_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="output directory")
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     p.add_argument("--seed", type=int, default=0)
@@ -152,24 +136,18 @@ def _add_make_random(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _add_add_chat_tokens(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "add-chat-tokens",
-        help="copy a checkpoint with DeepSeek-V4's chat tokens added to its tokenizer, embedding and head",
-    )
+def _add_chat_tokens_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="the source checkpoint directory (with tokenizer.json)")
     p.add_argument("dst", help="the output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the new rows' random values")
     p.add_argument("--force", action="store_true", help="write into an existing DST")
 
 
-def _add_prebuild(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prebuild", help="compile the CPU kernels for every weight format once, in parallel processes")
+def _prebuild_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=None, help="processes at a time (default: one per core, at most 2)")
 
 
-def _add_quantize(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("quantize", help="write a bf16 / float32 checkpoint in the published FP8 / FP4 format")
+def _quantize_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="the source checkpoint directory")
     p.add_argument("dst", help="the output directory (new or empty)")
     p.add_argument("--expert-dtype", default="fp4", choices=["fp4", "fp8"], help="routed experts' format")
@@ -177,201 +155,29 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="write into a non-empty DST")
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks that compare side by side in one run")
+# `leanserve bench NAME`: each module declares its HELP line, its options (add_arguments) and runs (run).
+BENCHMARKS = {
+    "throughput": throughput,
+    "copy": hidden_copy,
+    "step": step,
+    "spec-cost": spec_cost,
+    "serve": bench_serve,
+    "formats": formats,
+    "pp": pp,
+    "spec": spec,
+    "structured": structured,
+}
+
+
+def _bench_options(p: argparse.ArgumentParser) -> None:
     kinds = p.add_subparsers(dest="bench", required=True)
-    t = kinds.add_parser("throughput", help="offline tokens/s: leanserve vs transformers' generate")
-    t.add_argument("--model", required=True)
-    t.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32])
-    t.add_argument("--prompt-len", type=int, default=64)
-    t.add_argument("--max-tokens", type=int, default=32)
-    t.add_argument(
-        "--dtype", type=_dtype_list, default=["float32", "bfloat16"], help="comma-separated: float32, bfloat16"
-    )
-    t.add_argument("--repeats", type=int, default=3)
-    t.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
-    t.add_argument("--output", default="table", choices=["table", "json"])
-    c = kinds.add_parser("copy", help="latency of the target-hidden copy per step, at DeepSeek-V4-Pro width")
-    c.add_argument("--device", default="cpu")
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    c.add_argument("--hc-dim", type=int, default=4 * 7168, help="hc_mult * hidden_size (default: V4-Pro's 28672)")
-    c.add_argument("--tokens", type=_int_list, default=[1, 8, 32, 128, 512, 2048, 8192])
-    c.add_argument("--repeats", type=int, default=20)
-    c.add_argument("--output", default="table", choices=["table", "json"])
-    s = kinds.add_parser("step", help="one decode step with the target-hidden buffer on vs off, side by side")
-    s.add_argument("--model", required=True, help="a model directory with MTP weights")
-    s.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32])
-    s.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    s.add_argument("--repeats", type=int, default=50)
-    s.add_argument("--threads", type=int, default=None)
-    s.add_argument("--output", default="table", choices=["table", "json"])
-    sc = kinds.add_parser(
-        "spec-cost", help="what a one-token MTP speculative step costs in plain decode steps, and its ceiling"
-    )
-    sc.add_argument("--model", required=True, help="a model directory with MTP weights")
-    sc.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
-    sc.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    sc.add_argument("--repeats", type=int, default=50)
-    sc.add_argument("--threads", type=int, default=None)
-    sc.add_argument("--output", default="table", choices=["table", "json"])
-    sv = kinds.add_parser("serve", help="a bounded loopback load generator against a real server process")
-    sv.add_argument("--model", default="models/dsv4-stdlib-12l", help="default: the shipped model (from the repo root)")
-    sv.add_argument("--concurrency", type=_int_list, default=[1, 8, 32])
-    sv.add_argument("--requests", type=int, default=32, help="requests per concurrency level (at least the level)")
-    sv.add_argument("--max-tokens", type=int, default=None, help="per request (default 32; --vs-engine: 1000)")
-    sv.add_argument("--prompt-len", type=int, default=48)
-    sv.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
-    sv.add_argument(
-        "--vs-engine",
-        action="store_true",
-        help="instead: ms/token of one stream through the server next to the offline engine's decode, side by side",
-    )
-    sv.add_argument("--repeats", type=int, default=5, help="--vs-engine: rounds of the alternating arms")
-    sv.add_argument("--output", default="table", choices=["table", "json"])
-    fm = kinds.add_parser(
-        "formats", help="decode at DeepSeek-V4-Flash's per-layer scale: the published format vs bf16, side by side"
-    )
-    fm.add_argument("--dir", default="build/bench-formats", help="where the two checkpoints are made (or reused)")
-    fm.add_argument("--layers", type=int, default=2, help="layers (CSA and HCA alternating)")
-    fm.add_argument("--experts", type=int, default=64, help="routed experts per layer (top-6)")
-    fm.add_argument(
-        "--vocab-size", type=int, default=None, help="default: the head's share of a token's bytes as in real Flash"
-    )
-    fm.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
-    fm.add_argument("--rounds", type=int, default=20, help="decode steps per format and batch size")
-    fm.add_argument("--threads", type=int, default=None)
-    fm.add_argument("--output", default="table", choices=["table", "json"])
-    pp = kinds.add_parser(
-        "pp", help="tokens/s of PP=1, PP=N one step at a time and PP=N with overlap, with each stage's busy fraction"
-    )
-    pp.add_argument("--model", required=True)
-    pp.add_argument("--concurrency", type=_int_list, default=[1, 8, 32])
-    pp.add_argument("--stages", type=int, default=2)
-    pp.add_argument("--pipeline-layer-counts", type=_int_list, default=None, help="layers per stage (default: even)")
-    pp.add_argument("--max-tokens", type=int, default=64)
-    pp.add_argument("--prompt-len", type=int, default=32)
-    pp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    pp.add_argument("--repeats", type=int, default=3)
-    pp.add_argument("--output", default="table", choices=["table", "json"])
-    sp = kinds.add_parser("spec", help="tokens/s without speculation vs mtp (k=1, 2, 3) vs ngram, on held-out code")
-    sp.add_argument("--model", required=True)
-    sp.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
-    sp.add_argument("--max-tokens", type=int, default=64)
-    sp.add_argument("--prompt-len", type=int, default=48)
-    sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    sp.add_argument("--repeats", type=int, default=3)
-    sp.add_argument("--threads", type=int, default=None)
-    sp.add_argument("--output", default="table", choices=["table", "json"])
-    st = kinds.add_parser(
-        "structured", help="tokens/s of plain requests beside grammar-constrained ones vs beside none, side by side"
-    )
-    st.add_argument("--model", default="models/dsv4-stdlib-12l", help="default: the shipped model (from the repo root)")
-    st.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32], help="plain requests (B) per batch")
-    st.add_argument("--constrained", type=int, default=8, help="constrained requests beside them (C)")
-    st.add_argument("--max-tokens", type=int, default=64, help="per request")
-    st.add_argument("--prompt-len", type=int, default=16)
-    st.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    st.add_argument("--repeats", type=int, default=5, help="rounds of the alternating arms")
-    st.add_argument("--threads", type=int, default=None)
-    st.add_argument("--output", default="table", choices=["table", "json"])
+    for name, module in BENCHMARKS.items():
+        module.add_arguments(kinds.add_parser(name, help=module.HELP))
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import torch
-
-    from leanserve.bench.common import print_rows
-
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    sizes = getattr(args, "batch_sizes", None) or getattr(args, "tokens", None) or getattr(args, "concurrency", None)
-    if min(sizes or [0]) < 1 or getattr(args, "repeats", 1) < 1 or getattr(args, "requests", 1) < 1:
-        raise ValueError("batch sizes / token counts / concurrency levels, --repeats and --requests must be positive.")
-    if args.bench == "throughput":
-        from leanserve.bench.throughput import THROUGHPUT_HEADERS, throughput
-
-        if args.max_tokens < 1 or args.prompt_len < 1:
-            raise ValueError("--prompt-len and --max-tokens must be positive.")
-        rows = throughput(
-            args.model, args.batch_sizes, args.prompt_len, args.max_tokens, tuple(args.dtype), args.repeats
-        )
-        print_rows(rows, args.output, THROUGHPUT_HEADERS)
-    elif args.bench == "copy":
-        from leanserve.bench.hidden_copy import COPY_HEADERS, copy_bench
-
-        if args.hc_dim < 1:
-            raise ValueError("--hc-dim must be positive.")
-        rows = copy_bench(args.device, args.dtype, args.hc_dim, tuple(args.tokens), args.repeats)
-        print_rows(rows, args.output, COPY_HEADERS)
-    elif args.bench == "serve" and args.vs_engine:
-        from leanserve.bench.serve import VS_ENGINE_HEADERS, serve_vs_engine_bench
-
-        max_tokens = 1000 if args.max_tokens is None else args.max_tokens
-        if max_tokens < 2 or args.prompt_len < 1:
-            raise ValueError("--prompt-len must be positive and --max-tokens at least 2.")
-        rows = serve_vs_engine_bench(args.model, max_tokens, args.repeats, args.prompt_len, args.dtype)
-        print_rows(rows, args.output, VS_ENGINE_HEADERS)
-    elif args.bench == "serve":
-        from leanserve.bench.serve import SERVE_HEADERS, serve_bench
-
-        max_tokens = 32 if args.max_tokens is None else args.max_tokens
-        if max_tokens < 1 or args.prompt_len < 1:
-            raise ValueError("--prompt-len and --max-tokens must be positive.")
-        rows = serve_bench(
-            args.model, args.concurrency, args.requests, max_tokens, args.prompt_len, ["--dtype", args.dtype]
-        )
-        print_rows(rows, args.output, SERVE_HEADERS)
-    elif args.bench == "pp":
-        from leanserve.bench.pp import PP_HEADERS, pp_bench
-
-        if args.max_tokens < 1 or args.prompt_len < 1:
-            raise ValueError("--prompt-len and --max-tokens must be positive.")
-        rows = pp_bench(
-            args.model, args.concurrency, args.stages, args.max_tokens, args.prompt_len, args.repeats, args.dtype,
-            args.pipeline_layer_counts,
-        )  # fmt: skip
-        print_rows(rows, args.output, PP_HEADERS)
-    elif args.bench == "spec-cost":
-        from leanserve.bench.spec_cost import SPEC_COST_HEADERS, spec_cost_bench
-
-        rows = spec_cost_bench(args.model, args.batch_sizes, args.repeats, dtype=args.dtype)
-        print_rows(rows, args.output, SPEC_COST_HEADERS)
-    elif args.bench == "step":
-        from leanserve.bench.step import STEP_HEADERS, step_bench
-
-        rows = step_bench(args.model, args.batch_sizes, args.max_num_batched_tokens, args.repeats)
-        print_rows(rows, args.output, STEP_HEADERS)
-    elif args.bench == "formats":
-        from leanserve.bench.formats import FORMAT_HEADERS, formats_bench, rows_json
-
-        if min(args.layers, args.experts, args.rounds, args.vocab_size or 1) < 1:
-            raise ValueError("--layers, --experts, --rounds and --vocab-size must be positive.")
-        log = print if args.output == "table" else (lambda *a: None)
-        rows, notes = formats_bench(
-            args.dir, args.batch_sizes, args.layers, args.experts, args.vocab_size, args.rounds, log=log
-        )
-        if args.output == "json":
-            print(rows_json(rows, notes))
-        else:
-            for line in notes:
-                print(f"# {line}")
-            print_rows(rows, args.output, FORMAT_HEADERS)
-    elif args.bench == "structured":
-        from leanserve.bench.structured import STRUCTURED_HEADERS, structured_bench
-
-        if min(args.constrained, args.prompt_len) < 1 or args.max_tokens < 2:
-            raise ValueError("--constrained and --prompt-len must be positive and --max-tokens at least 2.")
-        rows = structured_bench(
-            args.model, args.batch_sizes, args.constrained, args.max_tokens, args.prompt_len, args.repeats, args.dtype
-        )
-        print_rows(rows, args.output, STRUCTURED_HEADERS)
-    else:
-        from leanserve.bench.spec import SPEC_HEADERS, spec_bench
-
-        if args.max_tokens < 1 or args.prompt_len < 1:
-            raise ValueError("--prompt-len and --max-tokens must be positive.")
-        rows = spec_bench(args.model, args.batch_sizes, args.max_tokens, args.prompt_len, args.repeats, args.dtype)
-        print_rows(rows, args.output, SPEC_HEADERS)
-    return 0
+    prepare(args)
+    return BENCHMARKS[args.bench].run(args)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -506,7 +312,7 @@ def _add_chat_tokens(args: argparse.Namespace) -> int:
 
 
 def _prebuild(args: argparse.Namespace) -> int:
-    from leanserve.model.cpu_kernels import available
+    from leanserve.model.backends.cpu.kernels import available
     from leanserve.prebuild import GROUPS, prebuild
 
     if args.jobs is not None and args.jobs < 1:
@@ -532,34 +338,39 @@ def _quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+# name: (help line, add its options to its parser, run it from the parsed arguments)
+COMMANDS = {
+    "generate": ("complete one prompt and print the result with timing", _generate_options, _generate),
+    "serve": ("the OpenAI-compatible server (completions, chat, streaming, /metrics)", _serve_options, _serve),
+    "memory": ("the memory ledger per pipeline stage: weights and every persistent buffer", _memory_options, _memory),
+    "make-random": ("write a random-weight DeepSeek-V4 checkpoint", _make_random_options, _make_random),
+    "add-chat-tokens": (
+        "copy a checkpoint with DeepSeek-V4's chat tokens added to its tokenizer, embedding and head",
+        _add_chat_tokens_options,
+        _add_chat_tokens,
+    ),
+    "quantize": ("write a bf16 / float32 checkpoint in the published FP8 / FP4 format", _quantize_options, _quantize),
+    "prebuild": (
+        "compile the CPU kernels for every weight format once, in parallel processes",
+        _prebuild_options,
+        _prebuild,
+    ),
+    "bench": ("benchmarks that compare side by side in one run", _bench_options, _bench),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="leanserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="engine log level"
     )
-    _add_generate(sub)
-    _add_serve(sub)
-    _add_memory(sub)
-    _add_make_random(sub)
-    _add_add_chat_tokens(sub)
-    _add_quantize(sub)
-    _add_prebuild(sub)
-    _add_bench(sub)
+    for name, (help_line, add_options, _) in COMMANDS.items():
+        add_options(sub.add_parser(name, help=help_line))
     args = parser.parse_args(argv)
     logging.basicConfig(format="leanserve: %(message)s", level=args.log_level.upper())
-    handlers = {
-        "generate": _generate,
-        "serve": _serve,
-        "memory": _memory,
-        "make-random": _make_random,
-        "add-chat-tokens": _add_chat_tokens,
-        "quantize": _quantize,
-        "prebuild": _prebuild,
-        "bench": _bench,
-    }
     try:
-        return handlers[args.command](args)
+        return COMMANDS[args.command][2](args)
     except ValueError as e:  # user errors: config, checkpoint, prompt, sampling parameters
         print(f"leanserve: error: {e}", file=sys.stderr)
         return 2

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 from tqdm import tqdm
 
-from leanserve.config import EngineConfig, SpeculativeConfig
+from leanserve.engine.config import EngineConfig
 from leanserve.engine.llm_engine import LLMEngine
 from leanserve.engine.sequence import Sequence as EngineSequence
 from leanserve.memory import StageMemory
@@ -15,44 +16,24 @@ from leanserve.outputs import CompletionOutput, Logprob, RequestOutput
 from leanserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+ENGINE_OPTIONS = frozenset(f.name for f in fields(EngineConfig)) - {"model"}
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        dtype: str = "auto",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 2048,
-        device: str = "cpu",
-        load_progress: bool = True,
-        pipeline_parallel_size: int = 1,
-        pipeline_layer_counts: Sequence[int] | None = None,
-        pipeline_overlap: bool = True,
-        speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
-        backend: str = "auto",
-    ) -> None:
-        """pipeline_parallel_size N > 1 runs the model as N stage processes (this one is stage 0; the others
-        are spawned here, or are the other ranks under torchrun); pipeline_layer_counts overrides the even
-        split of layers; pipeline_overlap keeps N micro-batches in flight (False: one step at a time).
-        speculative_config: {"method": "mtp" | "ngram" | "draft_model", ...}."""
-        config = EngineConfig(
-            model=str(model),
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            device=device,
-            pipeline_parallel_size=pipeline_parallel_size,
-            pipeline_layer_counts=tuple(pipeline_layer_counts) if pipeline_layer_counts is not None else None,
-            pipeline_overlap=pipeline_overlap,
-            speculative_config=speculative_config,
-            backend=backend,
-        )
-        self.engine = LLMEngine(config, progress=load_progress)
+    """`LLM(model, **options)`: an engine for the checkpoint directory `model`.
+
+    The options (dtype, max_model_len, max_num_seqs, speculative_config, ...) are the fields of `EngineConfig`,
+    with its defaults; `help(leanserve.engine.config.EngineConfig)` documents each. An unknown option is a
+    TypeError. `load_progress` is LLM's own: a progress bar while the weights load."""
+
+    def __init__(self, model: str, *, load_progress: bool = True, **options: Any) -> None:
+        unknown = sorted(set(options) - ENGINE_OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"LLM() got unexpected option(s) {unknown}; the options are EngineConfig's fields: "
+                f"{sorted(ENGINE_OPTIONS)} (and load_progress)."
+            )
+        self.engine = LLMEngine(EngineConfig(model=str(model), **options), progress=load_progress)
 
     def memory_ledger(self) -> list[StageMemory]:
         """Per pipeline stage: weights_bytes and every persistent buffer (name, owner, feature, bytes, dtype,

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from leanserve.config import ConfigError, EngineConfig, ModelConfig
+from leanserve.config import ConfigError, ModelConfig
+from leanserve.engine.config import EngineConfig
 from leanserve.engine.llm_engine import check_speculative
 from leanserve.engine.runner import StageRunner
 from leanserve.engine.topology import PipelineTopology

@@ -1,5 +1,5 @@
 """What the benchmarks share: printing rows as a table or JSON, timers, a one-stage MTP runner to time parts
-of a step directly, and prompts from held-out code."""
+of a step directly, and random prompts (prompts from held-out code are prompts.py's)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ def mtp_runner(
     model: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, dtype: str = "auto", k: int = 1
 ):
     """A one-stage runner of `model` with the MTP drafter (`k` drafts), for timing its parts directly."""
-    from leanserve.config import EngineConfig, ModelConfig
+    from leanserve.config import ModelConfig
+    from leanserve.engine.config import EngineConfig
     from leanserve.engine.llm_engine import check_speculative, resolve_dtype
     from leanserve.engine.runner import StageRunner
     from leanserve.engine.topology import PipelineTopology
@@ -96,27 +97,3 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tens
     """[batch, length] token ids from a fixed seed, past the special tokens (ids 0-2)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=gen)
-
-
-def code_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
-    """Prompts from held-out code (the Python standard library's held-out files, which the shipped model
-    never trained on): each starts at a top-level `def` line and is cut to `prompt_tokens` tokens."""
-    from leanserve.train.data import default_corpus_dir, find_py_files, is_heldout
-
-    prompts = []
-    for rel, path in find_py_files(default_corpus_dir()):
-        if not is_heldout(rel):
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        start = text.find("\ndef ")
-        while start >= 0:  # every top-level function of the file, in order
-            ids = tokenizer.encode(text[start + 1 : start + 1 + 40 * prompt_tokens])[:prompt_tokens]
-            if len(ids) == prompt_tokens:
-                prompts.append(ids)
-            if len(prompts) == count:
-                return prompts
-            start = text.find("\ndef ", start + 1)
-    raise ValueError(f"found only {len(prompts)} held-out code prompts of {prompt_tokens} tokens")

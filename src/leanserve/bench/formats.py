@@ -15,6 +15,7 @@ model. Each loads into its own runner; decode steps (greedy, each sampled token 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import statistics
@@ -25,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from leanserve.bench.common import print_rows
+from leanserve.bench.options import add_output, add_threads, int_list
 from leanserve.config import CSA, HCA, MOE, ModelConfig
 
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v4-flash.json"
@@ -141,7 +144,7 @@ def make_checkpoints(root: Path, cfg: ModelConfig, seed: int = 0, log=print) -> 
     """root/bf16 (random bf16 weights) and root/published (that checkpoint through `leanserve quantize`); each
     reused when it holds cfg's model already."""
     from leanserve.make_random import randomize_
-    from leanserve.model.deepseek_v4 import build_model
+    from leanserve.model.build import build_model
     from leanserve.model.loader import save_checkpoint
     from leanserve.quantize import quantize_checkpoint
 
@@ -174,7 +177,7 @@ def _read_sum(a, parts):  # pragma: no cover - compiled: a's sum, as `parts` sli
 try:
     import numba
 
-    from leanserve.model.cpu_kernels import _jit
+    from leanserve.model.backends.cpu.kernels import _jit
 
     _prange = numba.prange
     _read_sum_one, _read_sum_par = _jit(_read_sum), _jit(_read_sum, parallel=True)
@@ -205,7 +208,7 @@ def _seconds(fn) -> float:
 
 
 def _runner(model_dir: Path, max_seqs: int, max_len: int):
-    from leanserve.config import EngineConfig
+    from leanserve.engine.config import EngineConfig
     from leanserve.engine.llm_engine import resolve_dtype
     from leanserve.engine.runner import StageRunner
     from leanserve.engine.topology import PipelineTopology
@@ -331,3 +334,35 @@ def _mem_available() -> int | None:
 
 def rows_json(rows: list[FormatRow], notes: list[str]) -> str:
     return json.dumps({"notes": notes, "rows": [dataclasses.asdict(r) for r in rows]})
+
+
+HELP = "decode at DeepSeek-V4-Flash's per-layer scale: the published format vs bf16, side by side"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default="build/bench-formats", help="where the two checkpoints are made (or reused)")
+    p.add_argument("--layers", type=int, default=2, help="layers (CSA and HCA alternating)")
+    p.add_argument("--experts", type=int, default=64, help="routed experts per layer (top-6)")
+    p.add_argument(
+        "--vocab-size", type=int, default=None, help="default: the head's share of a token's bytes as in real Flash"
+    )
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 8])
+    p.add_argument("--rounds", type=int, default=20, help="decode steps per format and batch size")
+    add_threads(p)
+    add_output(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if min(args.layers, args.experts, args.rounds, args.vocab_size or 1) < 1:
+        raise ValueError("--layers, --experts, --rounds and --vocab-size must be positive.")
+    log = print if args.output == "table" else (lambda *a: None)
+    rows, notes = formats_bench(
+        args.dir, args.batch_sizes, args.layers, args.experts, args.vocab_size, args.rounds, log=log
+    )
+    if args.output == "json":
+        print(rows_json(rows, notes))
+    else:
+        for line in notes:
+            print(f"# {line}")
+        print_rows(rows, args.output, FORMAT_HEADERS)
+    return 0

@@ -4,11 +4,13 @@ device's peak copy bandwidth."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
 
-from leanserve.bench.common import median_timer
+from leanserve.bench.common import median_timer, print_rows
+from leanserve.bench.options import add_output, int_list
 
 PRO_HC_DIM = 4 * 7168  # DeepSeek-V4-Pro: hc_mult * hidden_size
 COPY_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
@@ -55,3 +57,23 @@ def copy_bench(
         secs = median_s(lambda t=t: buffer[:t].copy_(src[:t]), min(reps, 2000))
         rows.append(CopyRow(t, nbytes, round(secs * 1e6, 2), round(nbytes / secs / 1e9, 2), round(peak, 2)))
     return rows
+
+
+HELP = "latency of the target-hidden copy per step, at DeepSeek-V4-Pro width"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--hc-dim", type=int, default=PRO_HC_DIM, help="hc_mult * hidden_size (default: V4-Pro's 28672)")
+    p.add_argument("--tokens", type=int_list, default=list(COPY_TOKENS))
+    p.add_argument("--repeats", type=int, default=20)
+    add_output(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.hc_dim < 1:
+        raise ValueError("--hc-dim must be positive.")
+    rows = copy_bench(args.device, args.dtype, args.hc_dim, tuple(args.tokens), args.repeats)
+    print_rows(rows, args.output, COPY_HEADERS)
+    return 0

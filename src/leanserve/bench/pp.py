@@ -18,10 +18,13 @@ so a stage computes longer with overlap than one step at a time for the same tok
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass
 
-from leanserve.bench.common import code_prompts, random_prompts
+from leanserve.bench.common import print_rows, random_prompts
+from leanserve.bench.options import add_output, int_list
+from leanserve.bench.prompts import code_prompts
 
 ARMS = ("pp1", "serial", "overlap")
 
@@ -68,7 +71,7 @@ def pp_bench(
 
     from leanserve import LLM, SamplingParams
     from leanserve.engine.llm_engine import stage_threads
-    from leanserve.model import cpu_kernels
+    from leanserve.model.backends.cpu import kernels as cpu_kernels
 
     if stages < 2:
         raise ValueError(f"--stages must be at least 2, got {stages}.")
@@ -142,3 +145,29 @@ def _round(llm, prompts: list[dict], params) -> tuple[float, float, list[float],
 
 def _fractions(busy: list[float], wall: float) -> str:
     return "/".join(f"{b / wall:.2f}" for b in busy)
+
+
+HELP = "tokens/s of PP=1, PP=N one step at a time and PP=N with overlap, with each stage's busy fraction"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--concurrency", type=int_list, default=[1, 8, 32])
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--pipeline-layer-counts", type=int_list, default=None, help="layers per stage (default: even)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=3)
+    add_output(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1 or args.prompt_len < 1:
+        raise ValueError("--prompt-len and --max-tokens must be positive.")
+    rows = pp_bench(
+        args.model, args.concurrency, args.stages, args.max_tokens, args.prompt_len, args.repeats, args.dtype,
+        args.pipeline_layer_counts,
+    )  # fmt: skip
+    print_rows(rows, args.output, PP_HEADERS)
+    return 0

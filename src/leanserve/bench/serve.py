@@ -6,6 +6,7 @@ engine's own decode step, on the same model and settings, side by side in one ru
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import contextlib
 import json
@@ -18,7 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import pairwise
 
-from leanserve.bench.common import code_prompts
+from leanserve.bench.common import print_rows
+from leanserve.bench.options import SHIPPED_MODEL, add_output, int_list
+from leanserve.bench.prompts import code_prompts
 
 
 @dataclass
@@ -330,3 +333,40 @@ def _quarters(counts: list[tuple[float, float]], tokens: int) -> tuple[float | N
     a = next((c for c in counts if c[1] >= first[1] + q), last)
     b = next((c for c in counts if c[1] >= last[1] - q), last)
     return _per_token(first, a), _per_token(b, last)
+
+
+HELP = "a bounded loopback load generator against a real server process"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=SHIPPED_MODEL, help="default: the shipped model (from the repo root)")
+    p.add_argument("--concurrency", type=int_list, default=[1, 8, 32])
+    p.add_argument("--requests", type=int, default=32, help="requests per concurrency level (at least the level)")
+    p.add_argument("--max-tokens", type=int, default=None, help="per request (default 32; --vs-engine: 1000)")
+    p.add_argument("--prompt-len", type=int, default=48)
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    p.add_argument(
+        "--vs-engine",
+        action="store_true",
+        help="instead: ms/token of one stream through the server next to the offline engine's decode, side by side",
+    )
+    p.add_argument("--repeats", type=int, default=5, help="--vs-engine: rounds of the alternating arms")
+    add_output(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.vs_engine:
+        max_tokens = 1000 if args.max_tokens is None else args.max_tokens
+        if max_tokens < 2 or args.prompt_len < 1:
+            raise ValueError("--prompt-len must be positive and --max-tokens at least 2.")
+        rows = serve_vs_engine_bench(args.model, max_tokens, args.repeats, args.prompt_len, args.dtype)
+        print_rows(rows, args.output, VS_ENGINE_HEADERS)
+        return 0
+    max_tokens = 32 if args.max_tokens is None else args.max_tokens
+    if max_tokens < 1 or args.prompt_len < 1:
+        raise ValueError("--prompt-len and --max-tokens must be positive.")
+    rows = serve_bench(
+        args.model, args.concurrency, args.requests, max_tokens, args.prompt_len, ["--dtype", args.dtype]
+    )
+    print_rows(rows, args.output, SERVE_HEADERS)
+    return 0

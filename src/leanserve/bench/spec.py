@@ -3,10 +3,13 @@ held-out code, with the acceptance figures and what a speculative step costs in 
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from dataclasses import dataclass
 
-from leanserve.bench.common import code_prompts, timed
+from leanserve.bench.common import print_rows, timed
+from leanserve.bench.options import add_output, add_threads, int_list
+from leanserve.bench.prompts import code_prompts
 
 SPEC_CONFIGS: dict[str, dict | None] = {
     "none": None,
@@ -106,3 +109,25 @@ def spec_bench(
     for llm in engines.values():
         llm.shutdown()
     return rows
+
+
+HELP = "tokens/s without speculation vs mtp (k=1, 2, 3) vs ngram, on held-out code"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 8])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=48)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=3)
+    add_threads(p)
+    add_output(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1 or args.prompt_len < 1:
+        raise ValueError("--prompt-len and --max-tokens must be positive.")
+    rows = spec_bench(args.model, args.batch_sizes, args.max_tokens, args.prompt_len, args.repeats, args.dtype)
+    print_rows(rows, args.output, SPEC_HEADERS)
+    return 0

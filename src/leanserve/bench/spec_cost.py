@@ -4,11 +4,13 @@ needs for 1.5x; and the two ceilings an engine bound by memory would have (`byte
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 from dataclasses import dataclass
 
-from leanserve.bench.common import mtp_runner, prefill, random_prompts, timed
+from leanserve.bench.common import mtp_runner, prefill, print_rows, random_prompts, timed
+from leanserve.bench.options import add_output, add_threads, int_list
 
 TARGET = 1.5  # the speed-up the acceptance columns are for
 
@@ -149,3 +151,21 @@ def spec_cost_bench(
             )
         )  # fmt: skip
     return rows
+
+
+HELP = "what a one-token MTP speculative step costs in plain decode steps, and its ceiling"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a model directory with MTP weights")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 8])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=50)
+    add_threads(p)
+    add_output(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = spec_cost_bench(args.model, args.batch_sizes, args.repeats, dtype=args.dtype)
+    print_rows(rows, args.output, SPEC_COST_HEADERS)
+    return 0

@@ -3,10 +3,12 @@ the forward copies the pre-hc_head streams into it) vs off, side by side on the 
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from dataclasses import dataclass
 
-from leanserve.bench.common import mtp_runner, prefill, timed
+from leanserve.bench.common import mtp_runner, prefill, print_rows, timed
+from leanserve.bench.options import add_output, add_threads, int_list
 
 
 @dataclass
@@ -64,3 +66,21 @@ def step_bench(
         nbytes = runner.target_hidden.nbytes
         rows.append(StepRow(batch, round(off, 1), round(on, 1), round(diff, 1), round(on / off, 3), nbytes))
     return rows
+
+
+HELP = "one decode step with the target-hidden buffer on vs off, side by side"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a model directory with MTP weights")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32])
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=50)
+    add_threads(p)
+    add_output(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = step_bench(args.model, args.batch_sizes, args.max_num_batched_tokens, args.repeats)
+    print_rows(rows, args.output, STEP_HEADERS)
+    return 0

@@ -23,11 +23,14 @@ their time is in every request's step.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from dataclasses import dataclass
 
-from leanserve.bench.common import code_prompts
+from leanserve.bench.common import print_rows
+from leanserve.bench.options import SHIPPED_MODEL, add_output, add_threads, int_list
+from leanserve.bench.prompts import code_prompts
 
 ARMS = ("plain", "plain + constrained", "plain + unconstrained")
 
@@ -201,3 +204,28 @@ def _rows(rounds: dict[str, list[_Round]], batch: int, beside: int, max_tokens: 
             )
         )  # fmt: skip
     return rows
+
+
+HELP = "tokens/s of plain requests beside grammar-constrained ones vs beside none, side by side"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=SHIPPED_MODEL, help="default: the shipped model (from the repo root)")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32], help="plain requests (B) per batch")
+    p.add_argument("--constrained", type=int, default=8, help="constrained requests beside them (C)")
+    p.add_argument("--max-tokens", type=int, default=64, help="per request")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=5, help="rounds of the alternating arms")
+    add_threads(p)
+    add_output(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if min(args.constrained, args.prompt_len) < 1 or args.max_tokens < 2:
+        raise ValueError("--constrained and --prompt-len must be positive and --max-tokens at least 2.")
+    rows = structured_bench(
+        args.model, args.batch_sizes, args.constrained, args.max_tokens, args.prompt_len, args.repeats, args.dtype
+    )
+    print_rows(rows, args.output, STRUCTURED_HEADERS)
+    return 0

@@ -12,12 +12,14 @@ its tokens are then its float32 tokens, and may differ from transformers' bfloat
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from dataclasses import dataclass
 
 import torch
 
-from leanserve.bench.common import random_prompts, timed
+from leanserve.bench.common import print_rows, random_prompts, timed
+from leanserve.bench.options import add_output, add_threads, int_list
 
 
 @dataclass
@@ -113,3 +115,36 @@ def _throughput(
         rows.append(ThroughputRow(dtype, batch, round(lean_tps, 1), round(hf_tps, 1), speedup, same))
     llm.shutdown()
     return rows
+
+
+HELP = "offline tokens/s: leanserve vs transformers' generate"
+
+
+def dtype_list(text: str) -> list[str]:
+    """An argparse type: comma-separated dtypes from float32, bfloat16."""
+    names = [t for t in text.replace(" ", "").split(",") if t]
+    bad = [n for n in names if n not in ("float32", "bfloat16")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes from float32, bfloat16; got {text!r}")
+    return names
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--dtype", type=dtype_list, default=["float32", "bfloat16"], help="comma-separated: float32, bfloat16"
+    )
+    p.add_argument("--repeats", type=int, default=3)
+    add_threads(p, "torch threads (default: torch's own choice)")
+    add_output(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1 or args.prompt_len < 1:
+        raise ValueError("--prompt-len and --max-tokens must be positive.")
+    rows = throughput(args.model, args.batch_sizes, args.prompt_len, args.max_tokens, tuple(args.dtype), args.repeats)
+    print_rows(rows, args.output, THROUGHPUT_HEADERS)
+    return 0

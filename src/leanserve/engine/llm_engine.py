@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from leanserve.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from leanserve.config import ConfigError, ModelConfig
+from leanserve.engine.config import EngineConfig, SpeculativeConfig
 from leanserve.engine.grammar import compile_structured, grammar_compiler
 from leanserve.engine.pipeline import LaunchSpec, PipelineDriver, in_torchrun, serve_torchrun_stage, torchrun_rank
 from leanserve.engine.proposers import NgramProposer, Proposer
@@ -20,7 +21,7 @@ from leanserve.engine.scheduler import ScheduledBatch, Scheduler, SeqUpdate
 from leanserve.engine.sequence import Sequence
 from leanserve.engine.topology import PipelineTopology
 from leanserve.memory import StageMemory, format_bytes, format_table, format_weights
-from leanserve.model import cpu_kernels
+from leanserve.model.backends.cpu import kernels as cpu_kernels
 from leanserve.model.loader import checkpoint_dtype, has_mtp_weights
 from leanserve.sampling_params import SamplingParams
 from leanserve.tokenizer import Tokenizer, generation_eos_ids

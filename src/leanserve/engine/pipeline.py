@@ -34,8 +34,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from leanserve.config import EngineConfig, ModelConfig
+from leanserve.config import ModelConfig
 from leanserve.engine.channel import Channel, Links, PipeChannel
+from leanserve.engine.config import EngineConfig
 from leanserve.engine.runner import IntermediateStreams, SeqOutput, StageInfo, StageRunner, StepPlan
 from leanserve.engine.topology import PipelineTopology
 from leanserve.errors import StageFailure

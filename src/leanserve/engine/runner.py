@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from leanserve.config import EngineConfig, ModelConfig
+from leanserve.config import ModelConfig
+from leanserve.engine.config import EngineConfig
 from leanserve.engine.grammar import GrammarState
 from leanserve.engine.penalties import PenaltyState
 from leanserve.engine.proposers import DraftModelProposer, MTPProposer, ProposeItem
@@ -19,8 +20,9 @@ from leanserve.engine.scheduler import ScheduledBatch
 from leanserve.engine.sequence import PromptLogprobs, SampledToken, SeqOutput
 from leanserve.memory import PIPELINE, SPEC_DRAFT, SPEC_MTP, MemoryLedger, StageMemory, weights_by_format
 from leanserve.model.batch import Chunk, build_forward_batch
+from leanserve.model.build import build_model
 from leanserve.model.cache import CacheGeometry
-from leanserve.model.deepseek_v4 import StageLayout, build_model
+from leanserve.model.deepseek_v4 import StageLayout
 from leanserve.model.loader import load_weights
 from leanserve.sampling_params import SamplingParams
 
@@ -213,7 +215,7 @@ class StageRunner:
         They write positions of slot 0, which no sequence has committed yet (a request's prefill overwrites
         them). Each chunk fits max_num_batched_tokens; all of them fit max_model_len, shortening the first."""
         from leanserve.config import CSA
-        from leanserve.model import cpu_kernels
+        from leanserve.model.backends.cpu import kernels as cpu_kernels
         from leanserve.model.batch import PREFILL_BLOCK
 
         if torch.device(self.device).type == "cpu" and not cpu_kernels.compiled_before():

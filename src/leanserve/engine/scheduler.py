@@ -5,7 +5,7 @@ from collections import deque
 from collections.abc import Set
 from dataclasses import dataclass
 
-from leanserve.config import micro_batch_tokens
+from leanserve.engine.config import micro_batch_tokens
 from leanserve.engine.proposers import ProposeItem, Proposer
 from leanserve.engine.sequence import SampledToken, SeqOutput, Sequence, SequenceStatus
 from leanserve.engine.slots import CacheSlots

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from leanserve.config import CSA
-from leanserve.model import cpu_kernels
+from leanserve.model.backends.cpu import kernels as cpu_kernels
 from leanserve.model.cache import CacheGeometry
 
 PREFILL_BLOCK = 64  # queries per attention block for long chunks

@@ -1,30 +1,23 @@
-"""One DeepSeek-V4 decoder block: mHC around attention, then mHC around the MoE."""
+"""One DeepSeek-V4 decoder block's parameters: mHC around attention, then mHC around the MoE. The wiring is
+torch_math/blocks.py (`block`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
 from leanserve.config import ModelConfig
-from leanserve.model.attention import Attention, AttentionWeights, Rope
-from leanserve.model.backend import UsesBackend
-from leanserve.model.batch import ForwardBatch
-from leanserve.model.cache import LayerCache
-from leanserve.model.hyper import MixWeights
-from leanserve.model.layers import RMSNorm, fp32_param
-from leanserve.model.moe import MoE, MoEWeights
+from leanserve.model.attention import Attention
+from leanserve.model.layers import RMSNorm, UsesBackend, fp32_param
+from leanserve.model.moe import MoE
+from leanserve.model.weights import BlockWeights, MixWeights
 
+if TYPE_CHECKING:
+    import torch
 
-@dataclass(frozen=True)
-class BlockWeights:
-    """A block's tensors, for a backend that runs blocks whole (see cpu_backend / decode.py)."""
-
-    attn_mix: MixWeights
-    attn: AttentionWeights
-    ffn_mix: MixWeights
-    moe: MoEWeights
+    from leanserve.model.batch import ForwardBatch
+    from leanserve.model.cache import LayerCache
 
 
 class Block(UsesBackend, nn.Module):
@@ -51,11 +44,6 @@ class Block(UsesBackend, nn.Module):
     def weights(self) -> BlockWeights:
         return BlockWeights(self.mix("attn"), self.attn.weights(), self.mix("ffn"), self.ffn.weights())
 
-    def forward(
-        self, streams: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes: dict[str, Rope]
-    ) -> torch.Tensor:
-        # streams: [T, hc_mult, hidden]
-        x, post, comb = self.ops.hc_pre(streams, self.mix("attn"))
-        streams = self.ops.hc_post(self.attn(x, fb, cache, ropes), streams, post, comb)
-        x, post, comb = self.ops.hc_pre(streams, self.mix("ffn"))
-        return self.ops.hc_post(self.ffn(x, fb.input_ids), streams, post, comb)
+    def forward(self, streams: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes: dict) -> torch.Tensor:
+        """streams [T, hc_mult, hidden] -> the block's output streams."""
+        return self.ops.block(self.weights(), streams, fb, cache, ropes)

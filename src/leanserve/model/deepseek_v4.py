@@ -1,26 +1,27 @@
 """The DeepSeek-V4 model, stage-aware: embedding (first stage), blocks [a, b), hc_head/norm/head and the
 MTP layer (last stage). Parameter names follow DeepSeek's checkpoints (`embed`, `layers.N.attn.wq_a`, ...).
+The model hands its typed weights to the stage's backend (`run_blocks`, `run_mtp`); the wiring is
+torch_math/blocks.py. build.py builds one.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from leanserve.config import SLIDING, ModelConfig
 from leanserve.memory import KV_CACHE, ROPE, SPEC_MTP, MemoryLedger
-from leanserve.model.attention import Rope
-from leanserve.model.backend import UsesBackend, select_backend, set_backend
-from leanserve.model.batch import ForwardBatch
 from leanserve.model.block import Block
 from leanserve.model.cache import CacheGeometry, LayerCache, allocate_layer_cache
-from leanserve.model.hyper import MixWeights
-from leanserve.model.layers import Embedding, Linear, RMSNorm, Rotary, fp32_param
+from leanserve.model.layers import Embedding, Linear, RMSNorm, Rotary, UsesBackend, fp32_param
 from leanserve.model.mtp import MTPBlock
+from leanserve.model.weights import MixWeights, MTPWeights, RopeTables, StageWeights
+
+if TYPE_CHECKING:
+    from leanserve.model.batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class DeepseekV4(UsesBackend, nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.act_dtype: torch.dtype | None = None  # activations' dtype; None: the weights' (see build_model)
+        self._typed: dict[str, object] = {}  # typed weights, made once (see forget_weights)
+        self.act_dtype = None
         self.stage = stage = stage or StageLayout.whole(cfg)
         with_mtp = with_mtp and stage.is_last
         # The MTP layer shares the embedding, so a last stage that runs it holds a copy of its own.
@@ -101,18 +103,60 @@ class DeepseekV4(UsesBackend, nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    # --- forward --------------------------------------------------------------------------------------
-    def ropes(self, fb: ForwardBatch, get=Rotary.table) -> dict:
-        """The step's RoPE factors per kind: the main and compress tables at the tokens' positions, and the
-        compress table at each compressed kind's new rows; `get(rotary, positions)` reads a table (default:
-        Rotary.table, complex factors)."""
-        ropes = {"main": get(self.rotary_main, fb.positions)}
-        if self.rotary_compress is not None and fb.compress:  # (the MTP layer's batches have no compression)
-            ropes["compress"] = get(self.rotary_compress, fb.positions)
-            for kind, meta in fb.compress.items():
-                ropes[kind] = get(self.rotary_compress, meta.row_pos)
-        return ropes
+    # --- typed weights --------------------------------------------------------------------------------
+    @property
+    def act_dtype(self) -> torch.dtype | None:
+        """The activations' dtype; None: the weights' (build_model sets it from the stage's backend)."""
+        return self._act_dtype
 
+    @act_dtype.setter
+    def act_dtype(self, dtype: torch.dtype | None) -> None:
+        self._act_dtype = dtype
+        self.forget_weights()
+
+    def forget_weights(self) -> None:
+        """Drops the typed weights made so far. They hold the modules' parameter objects and are made once (made
+        per step, they would cost more than a small model's decode step); loading in place and `.data =` show
+        through them, but a parameter or module replaced by assignment does not: call this after one. (`.to()`
+        and the like call it, see _apply.)"""
+        self._typed.clear()
+
+    def _apply(self, fn, recurse=True):
+        self.forget_weights()
+        return super()._apply(fn, recurse)
+
+    def _kept(self, key: str, make):
+        w = self._typed.get(key)
+        if w is None:
+            w = self._typed[key] = make()
+        return w
+
+    def rope_tables(self) -> RopeTables:
+        compress = self.rotary_compress.freqs if self.rotary_compress is not None else None
+        return RopeTables(self.rotary_main.freqs, compress)
+
+    def stage_weights(self) -> StageWeights:
+        """The typed weights of this stage's blocks (and embedding, on the first stage)."""
+        return self._kept("stage", lambda: StageWeights(
+            self.embed.weight if self.stage.is_first else None, tuple([b.weights() for b in self.layers.values()]),
+            self.rope_tables(), self.cfg.hc_mult, self.act_dtype,
+        ))  # fmt: skip
+
+    def head_mix(self) -> MixWeights:
+        """hc_head's weights and the final norm (last stage)."""
+
+        def make() -> MixWeights:
+            fn, base, scale, eps = self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.rms_norm_eps
+            return MixWeights(fn, base, scale, self.norm.weight, eps, self.cfg.hc_eps, 0)
+
+        return self._kept("head", make)
+
+    def mtp_weights(self) -> MTPWeights:
+        return self._kept(
+            "mtp", lambda: self.mtp["0"].mtp_weights(self.embed.weight, self.rope_tables(), self.act_dtype)
+        )
+
+    # --- forward --------------------------------------------------------------------------------------
     def forward(
         self,
         fb: ForwardBatch,
@@ -138,7 +182,8 @@ class DeepseekV4(UsesBackend, nn.Module):
     ) -> torch.Tensor:
         """This stage's blocks: the streams [T, hc_mult, hidden] of every token (on the last stage before hc_head;
         `target_hidden` as in forward), for a caller that takes the head at rows of its own (`head_logits`)."""
-        streams = self.ops.run_blocks(self, fb, caches, None if self.stage.is_first else streams)
+        layer_caches = [caches[key] for key in self.layers]
+        streams = self.ops.run_blocks(self.stage_weights(), fb, layer_caches, None if self.stage.is_first else streams)
         if self.stage.is_last and target_hidden is not None:
             target_hidden[: streams.shape[0]].copy_(streams.flatten(1))
         return streams
@@ -147,26 +192,9 @@ class DeepseekV4(UsesBackend, nn.Module):
         """hc_head, the final norm and the head over trunk streams [R, hc_mult, hidden]: float32 logits [R, vocab]."""
         return self.logits(self.head_hidden(streams))
 
-    def blocks_torch(self, fb: ForwardBatch, caches, ropes: dict[str, Rope], streams: torch.Tensor | None):
-        """The torch statement of run_blocks: embed (first stage, `streams` None), then every block."""
-        if streams is None:
-            x = self.embed_tokens(fb.input_ids)
-            streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for key, block in self.layers.items():
-            streams = block(streams, fb, caches[key], ropes)
-        return streams
-
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings of `ids` in the activation dtype (where activations start)."""
-        return self.embed(ids).to(self.act_dtype or self.embed.weight.dtype)
-
-    def head_mix(self) -> MixWeights:
-        """hc_head's weights and the final norm (last stage)."""
-        fn, base, scale, eps = self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.cfg.rms_norm_eps
-        return MixWeights(fn, base, scale, self.norm.weight, eps, self.cfg.hc_eps, 0)
-
     def head_hidden(self, streams: torch.Tensor) -> torch.Tensor:
-        return self.ops.head_hidden(self, streams)
+        """The head's input [R, hidden]: hc_head and the final norm over trunk streams [R, hc_mult, hidden]."""
+        return self.ops.hc_head(streams, self.head_mix())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()
@@ -179,54 +207,5 @@ class DeepseekV4(UsesBackend, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits [T', vocab] for fb.logits_index, the MTP block's output streams [T, hc, hidden])."""
         assert self.mtp is not None, "this model was built without its MTP layer"
-        hidden, out = self.ops.run_mtp(self, streams, fb, caches)
+        hidden, out = self.ops.run_mtp(self.mtp_weights(), streams, fb, caches["mtp.0"])
         return self.logits(hidden), out
-
-    def mtp_torch(self, streams: torch.Tensor, fb: ForwardBatch, caches: dict[str, LayerCache]):
-        """The torch statement of run_mtp: the embeddings of fb's tokens, then the MTP layer (its hc_head too)."""
-        mtp = self.mtp["0"]
-        hidden, out = mtp(streams, self.embed_tokens(fb.input_ids), fb, caches["mtp.0"], self.ropes(fb))
-        return (hidden if fb.logits_index is None else hidden[fb.logits_index]), out
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def build_model(
-    cfg: ModelConfig,
-    max_positions: int,
-    dtype: torch.dtype = torch.float32,
-    stage: StageLayout | None = None,
-    with_mtp: bool = False,
-    device: str = "cpu",
-    backend: str = "auto",
-    checkpoint: str | Path | None = None,
-) -> DeepseekV4:
-    """Builds on the meta device (no init cost), then allocates uninitialised storage on `device`; the
-    loader (or a random init) must fill every parameter and persistent buffer. With `checkpoint` (a model
-    directory), its safetensors headers are checked against the meta model first, so a checkpoint that does
-    not fit fails before anything is allocated. The stage's backend is chosen here, once (see
-    backend.select_backend), and sets the activations' dtype."""
-    ops = select_backend(device, dtype, backend)
-    with torch.device("meta"), _default_dtype(dtype):
-        model = DeepseekV4(cfg, max_positions, stage, with_mtp)
-    if checkpoint is not None:
-        from leanserve.model.loader import check_checkpoint  # (the loader imports this module)
-
-        check_checkpoint(model, checkpoint)
-    # (as to_empty, but torch.empty: empty_like of a meta tensor runs torch's Python reference, whose first call
-    # imports sympy, half a second of every process's start-up)
-    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    set_backend(model, ops)
-    model.act_dtype = ops.activation_dtype(dtype)
-    for m in model.modules():
-        if isinstance(m, Rotary):
-            m.reset_tables()
-    return model.eval().requires_grad_(False)

@@ -1,4 +1,5 @@
-"""Small shared modules: Linear, RMSNorm and Embedding (called through the stage's backend), RoPE tables (plain
+"""The modules' common ground: `UsesBackend` (a module's `self.ops`, the stage's backend) and `set_backend`, and
+the small shared modules: Linear, RMSNorm and Embedding (called through the stage's backend), RoPE tables (plain
 and YaRN)."""
 
 from __future__ import annotations
@@ -10,8 +11,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from leanserve.config import RopeConfig
-from leanserve.model.backend import UsesBackend
+from leanserve.model.backends.torch import TORCH, TorchBackend
 from leanserve.model.quant import FP8_BLOCK, Fp8Weight
+
+
+class UsesBackend:
+    """Mixin of the model's modules: `self.ops` is the stage's backend (torch until `set_backend`)."""
+
+    ops: TorchBackend = TORCH
+
+
+def set_backend(model: nn.Module, backend: TorchBackend) -> None:
+    """Hands `backend` to every module of `model` (build_model does this once, when the stage is built)."""
+    for m in model.modules():
+        if isinstance(m, UsesBackend):
+            m.ops = backend
 
 
 def fp32_param(*shape: int) -> nn.Parameter:
@@ -51,10 +65,6 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
-
-    def table(self) -> torch.Tensor:
-        """The table [vocab, dim] (its typed weights: a backend that embeds on its own reads it)."""
-        return self.weight
 
 
 class RMSNorm(UsesBackend, nn.Module):
@@ -98,8 +108,8 @@ class Rotary(nn.Module):
         super().__init__()
         self.rope, self.rope_dim, self.max_positions = rope, rope_dim, max_positions
         # On the meta device (build_model) the table is only allocated, and reset_tables computes it on the real
-        # device: a meta arange runs torch's Python reference, whose first call imports torch._dynamo (about 3 s
-        # of every process's start-up).
+        # device: a meta arange runs torch's Python reference, whose first call imports torch._dynamo (a large
+        # part of every process's start-up).
         if torch.empty(0).is_meta:
             freqs = torch.empty(max_positions, rope_dim // 2, dtype=torch.complex64)
         else:
@@ -118,7 +128,3 @@ class Rotary(nn.Module):
 
     def table(self, positions: torch.Tensor) -> torch.Tensor:
         return self.freqs[positions]  # [..., rope_dim / 2] complex
-
-    def pairs(self) -> torch.Tensor:
-        """Every position's angles as real pairs [P, rope_dim / 2, 2] (a view), for a backend that indexes them."""
-        return torch.view_as_real(self.freqs)

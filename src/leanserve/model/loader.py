@@ -18,12 +18,14 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from leanserve.model.deepseek_v4 import DeepseekV4
+if TYPE_CHECKING:
+    from leanserve.model.deepseek_v4 import DeepseekV4
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

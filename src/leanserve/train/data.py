@@ -8,33 +8,27 @@ seed) into one stream, and a training sequence is any window of it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from leanserve.bench.prompts import (  # the held-out split: the benchmarks prompt with the same files
+    CorpusError,
+    default_corpus_dir,
+    find_py_files,
+    is_heldout,
+)
+
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)  # ids 0, 1, 2
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
-HELDOUT_PER_MILLE = 30  # ~3% of the files, chosen by a hash of their relative path
-# Directories never read: the stdlib's own test suites and anything installed on top of the stdlib.
-EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"})
 
 
 CORPUS_HELP = f"directory of .py files, or several joined by {os.pathsep!r} (default: this Python's standard library)"
-
-
-class CorpusError(ValueError):
-    """The corpus cannot be used (missing, empty, too small); the message says why."""
-
-
-def default_corpus_dir() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
 
 
 @dataclass(frozen=True)
@@ -60,34 +54,6 @@ class Corpus:
             f"{self.root}: {len(self.train)} train files ({chars / 1e6:.1f}M chars), "
             f"{len(self.heldout)} held-out files" + (f", {self.skipped} skipped (not UTF-8)" if self.skipped else "")
         )
-
-
-def is_heldout(relpath: str) -> bool:
-    """Deterministic, independent of the machine: the first bytes of sha256(relative path)."""
-    digest = hashlib.sha256(relpath.encode("utf-8")).digest()
-    return int.from_bytes(digest[:4], "big") % 1000 < HELDOUT_PER_MILLE
-
-
-def find_py_files(root: str | Path) -> list[tuple[str, Path]]:
-    """(relative posix path, path) of every `.py` file under `root`, test and site-packages directories
-    excluded, sorted. Raises CorpusError for a missing directory or one without any usable file."""
-    root = Path(root)
-    if not root.exists():
-        raise CorpusError(f"Corpus directory {root} does not exist.")
-    if not root.is_dir():
-        raise CorpusError(f"Corpus {root} is not a directory.")
-    found = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if any(part in EXCLUDED_DIRS for part in rel.parts[:-1]) or not path.is_file():
-            continue
-        found.append((rel.as_posix(), path))
-    if not found:
-        raise CorpusError(
-            f"Corpus directory {root} holds no .py files (outside test and site-packages directories); "
-            "nothing to train on."
-        )
-    return sorted(found)
 
 
 def corpus_roots(spec: str | Path | None) -> list[Path]:

@@ -97,7 +97,7 @@ def distill(dc: DistillConfig, log=print, argv: list[str] | None = None, prepare
     `prepared`: what `prepare(dc)` already returned, so the corpus is not read twice."""
     from tqdm import tqdm
 
-    from leanserve.model.deepseek_v4 import build_model
+    from leanserve.model.build import build_model
     from leanserve.model.loader import checkpoint_dtype, load_weights, save_checkpoint
 
     corpus, cfg = prepared or prepare(dc)

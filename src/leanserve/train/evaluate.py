@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from leanserve.config import ModelConfig
-from leanserve.model.deepseek_v4 import build_model
+from leanserve.model.build import build_model
 from leanserve.train import data as data_mod
 from leanserve.train.forward import inference_logits
 
@@ -124,7 +124,7 @@ def greedy_acceptance(
     on the text the trunk itself writes (where a draft's first token is the trunk's greedy token, not the
     held-out text's); and the share of those completions that repeat themselves (some 8-token run three times)."""
     from leanserve import LLM, SamplingParams
-    from leanserve.bench.common import code_prompts
+    from leanserve.bench.prompts import code_prompts
 
     spec = {"method": "mtp", "num_speculative_tokens": 1}
     with LLM(

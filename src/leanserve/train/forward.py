@@ -5,15 +5,19 @@
 
 The MTP layer at position t sees the trunk's pre-hc_head streams at t and the embedding of token t+1.
 
-The math is the model's own torch statement (training builds its model on the torch backend): mHC (hyper.hc_pre /
-hc_post, the head_hidden methods), Attention.queries_kv / scores / attend_scores / output, Compressor.pool,
-Indexer.queries / scores / pick, MoE.routed_torch; mHC's hc_pre and hc_post can run through torch.compile
-(`make_ctx(..., compiled=True)`: the same statement, its many small ops on [tokens, 4, 4] fused, about 1.2x
-faster steps). What this module adds is the layout of whole sequences that
-start at position 0, instead of cache rings and per-token gathers: sliding-window attention in blocks of
-queries, every window's compressed entry at once, the indexer's top-k as a mask; and what only training
-needs: the indexer's KL target and the routers' loads. `check_parity` compares it with the model's inference
-forward (on the model's own backend) before training starts.
+The math is the model's own torch statement, on its typed weights (model/torch_math/: mhc.hc_pre / hc_post,
+attention.queries_kv / scores / attend_scores / output, compressor.pool, index_queries / index_scores /
+index_pick, moe.routed, blocks.mtp_input; training builds its model on the torch backend); mHC's hc_pre and
+hc_post can run through torch.compile (`make_ctx(..., compiled=True)`: the same statement, its many small ops on
+[tokens, 4, 4] fused into fewer kernels). What this module adds is the layout of whole sequences that start at
+position 0, instead of cache rings and per-token gathers: sliding-window attention in blocks of queries, every
+window's compressed entry at once, the indexer's top-k as a mask; and what only training needs: the indexer's
+KL target and the routers' loads. `check_parity` compares it with the model's inference forward (on the model's
+own backend) before training starts.
+
+This is a second statement of the model's wiring: it mirrors torch_math/blocks.py (`block`, `mtp`),
+torch_math/attention.py (`attention`) and torch_math/moe.py (`moe`) name for name, and changes together with
+them and with the CPU backend's decode step (model/backends/cpu/decode.py).
 
 Two parts of DeepSeek-V4 get no gradient from the language-model loss, and are trained as DeepSeek does:
   * the Lightning Indexer (its top-k is a selection): a KL loss pulls its distribution over compressed
@@ -34,14 +38,16 @@ import torch
 import torch.nn.functional as F
 
 from leanserve.config import CSA, HCA
-from leanserve.model import hyper
-from leanserve.model.attention import Attention
+from leanserve.model.backends.torch import TorchBackend
 from leanserve.model.batch import Chunk, build_forward_batch
-from leanserve.model.block import Block
 from leanserve.model.cache import CacheGeometry
-from leanserve.model.compressor import Compressor
 from leanserve.model.deepseek_v4 import DeepseekV4
-from leanserve.model.moe import MoE
+from leanserve.model.torch_math import mhc
+from leanserve.model.torch_math.attention import attend_scores, output, queries_kv, scores
+from leanserve.model.torch_math.blocks import mtp_input
+from leanserve.model.torch_math.compressor import index_pick, index_queries, index_scores, pool
+from leanserve.model.torch_math.moe import routed
+from leanserve.model.weights import AttentionWeights, BlockWeights, CompressorWeights, MixWeights, MoEWeights
 
 
 @dataclass
@@ -58,18 +64,18 @@ class Ctx:
     window_mask: torch.Tensor  # [nb, block, block + window] bool
     visible: dict[str, torch.Tensor]  # per kind: [L, rows] bool
     stats: dict[str, Any] = field(default_factory=dict)  # filled by the forward: router loads, indexer loss
-    hc_pre: Callable = hyper.hc_pre  # mHC's torch statement, or its torch.compile'd build (make_ctx)
-    hc_post: Callable = hyper.hc_post
+    hc_pre: Callable = mhc.hc_pre  # mHC's torch statement, or its torch.compile'd build (make_ctx)
+    hc_post: Callable = mhc.hc_post
 
 
 @functools.cache
 def compiled_mhc() -> tuple[Callable, Callable] | None:
-    """hyper.hc_pre and hc_post through torch.compile, or None where it cannot compile here (it needs a C++
+    """mhc.hc_pre and hc_post through torch.compile, or None where it cannot compile here (it needs a C++
     compiler): probed once on a small input, so that a machine without one trains eagerly instead of failing."""
-    pre, post = torch.compile(hyper.hc_pre, dynamic=False), torch.compile(hyper.hc_post, dynamic=False)
+    pre, post = torch.compile(mhc.hc_pre, dynamic=False), torch.compile(mhc.hc_post, dynamic=False)
     try:
         streams = torch.ones(2, 2, 4)
-        w = hyper.MixWeights(torch.ones(8, 8), torch.zeros(8), torch.ones(3), torch.ones(4), 1e-6, 1e-6, 2)
+        w = MixWeights(torch.ones(8, 8), torch.zeros(8), torch.ones(3), torch.ones(4), 1e-6, 1e-6, 2)
         x, p, c = pre(streams, w)
         post(x, streams, p, c)
     except Exception as e:  # (torch's compile errors have no common base class)
@@ -105,27 +111,27 @@ def make_ctx(model: DeepseekV4, batch: int, length: int, compiled: bool = False)
     return ctx
 
 
-def _compress(comp: Compressor, kv: torch.Tensor, gate: torch.Tensor, ctx: Ctx, kind: str) -> torch.Tensor:
-    """Every window's entry at once (Compressor.pool): kv, gate [B, L, width] (wkv(x), wgate(x)) ->
+def compress(ops: TorchBackend, w: CompressorWeights, kv: torch.Tensor, gate: torch.Tensor, ctx: Ctx, kind: str):
+    """Every window's entry at once (torch_math.compressor.pool): kv, gate [B, L, width] (wkv(x), wgate(x)) ->
     [B, L // r, dim]."""
-    r, d = comp.ratio, comp.dim
+    r, d = w.ratio, w.dim
     batch, rows = kv.shape[0], kv.shape[1] // r
     kv = kv[:, : rows * r].unflatten(1, (rows, r))  # [B, rows, r, width]
     gate = gate[:, : rows * r].unflatten(1, (rows, r))
-    if comp.overlap:  # window w pools Ca of window w-1 (none before window 0), then its own Cb
+    if w.overlap:  # window w pools Ca of window w-1 (none before window 0), then its own Cb
         kv = torch.cat([F.pad(kv[:, :-1, :, :d], (0, 0, 0, 0, 1, 0)), kv[..., d:]], dim=2)  # [B, rows, 2r, d]
         gate = torch.cat([F.pad(gate[:, :-1, :, :d], (0, 0, 0, 0, 1, 0), value=float("-inf")), gate[..., d:]], dim=2)
-    return comp.pool(kv.flatten(0, 1), gate.flatten(0, 1), ctx.row_rope[kind]).view(batch, rows, -1)
+    return pool(ops, w, kv.flatten(0, 1), gate.flatten(0, 1), ctx.row_rope[kind]).view(batch, rows, -1)
 
 
-def _attention(attn: Attention, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+def attention(ops: TorchBackend, w: AttentionWeights, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
     """x: [B*L, hidden] (normed) -> [B*L, hidden]."""
     batch, length, block, padded = ctx.batch, ctx.length, ctx.block, ctx.padded
-    heads, dim = attn.n_heads, attn.head_dim
-    rope = ctx.main_rope if attn.rope_kind == "main" else ctx.compress_rope
-    weights = attn.input_weights()  # wq_a, wkv, then the compressor's, then the indexer's (of detached x)
-    projected = attn.ops.linears(x, weights[: 2 if attn.compressor is None else 4])
-    q_residual, q, kv = attn.queries_kv(projected[0], projected[1], rope)
+    heads, dim = w.heads, w.head_dim
+    rope = ctx.main_rope if w.rope_kind == "main" else ctx.compress_rope
+    # wq_a, wkv, then the compressor's (the indexer's, of detached x, in index_scores)
+    projected = ops.linears(x, w.inputs[: 2 if w.compressor is None else 4])
+    q_residual, q, kv = queries_kv(ops, w, projected[0], projected[1], rope)
 
     nb, window = padded // block, ctx.window_mask.shape[-1] - block
     pad = padded - length
@@ -133,41 +139,42 @@ def _attention(attn: Attention, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
     kv_pad = F.pad(kv.view(batch, length, dim), (0, 0, window, pad))  # [B, W + Lp, D]
     keys = kv_pad.unfold(1, block + window, block).transpose(2, 3)  # [B, nb, Q + W, D]
     mask = ctx.window_mask.expand(batch, -1, -1, -1)  # [B, nb, Q, Q + W]
-    if attn.compressor is not None:
-        kind = attn.layer_type
-        comp = _compress(attn.compressor, *(p.view(batch, length, -1) for p in projected[2:4]), ctx, kind)
+    if w.compressor is not None:
+        kind = w.layer_type
+        comp = compress(ops, w.compressor, *(p.view(batch, length, -1) for p in projected[2:4]), ctx, kind)
         n = comp.shape[1]
         visible = ctx.visible[kind].expand(batch, -1, -1)  # [B, L, n]
         selected = visible
-        if attn.indexer is not None:
-            idx_scores = _indexer_scores(attn, x.detach(), q_residual.detach(), weights[4:], ctx)  # [B, L, n]
-            if n > attn.indexer.topk:
-                selected = attn.indexer.pick(idx_scores.detach(), visible)
+        if w.indexer is not None:
+            idx_scores = index_scores_all(ops, w, x.detach(), q_residual.detach(), ctx)  # [B, L, n]
+            if n > w.indexer.topk:
+                selected = index_pick(w.indexer, idx_scores.detach(), visible)
         selected = F.pad(selected, (0, 0, 0, pad)).view(batch, nb, block, n)
         keys = torch.cat([keys, comp.unsqueeze(1).expand(-1, nb, -1, -1)], dim=2)
         mask = torch.cat([mask, selected], dim=-1)
     keys, mask = keys.reshape(batch * nb, -1, dim), mask.reshape(batch * nb, block, -1)
-    scores = attn.scores(q_blocks, keys)  # [B*nb, Q, H, K]
-    if attn.indexer is not None and torch.is_grad_enabled():
-        ctx.stats.setdefault("indexer_kl", []).append(_indexer_kl(scores, idx_scores, ctx.visible[kind], ctx))
-    out = attn.attend_scores(scores, mask, keys)  # [B*nb, Q, H, D]
+    logits = scores(w, q_blocks, keys)  # [B*nb, Q, H, K]
+    if w.indexer is not None and torch.is_grad_enabled():
+        ctx.stats.setdefault("indexer_kl", []).append(indexer_kl(logits, idx_scores, ctx.visible[kind], ctx))
+    out = attend_scores(w, logits, mask, keys)  # [B*nb, Q, H, D]
     out = out.view(batch, padded, heads, dim)[:, :length].reshape(batch * length, heads, dim)
-    return attn.output(attn.ops.apply_rope(out, rope, inverse=True))
+    return output(ops, w, ops.apply_rope(out, rope, inverse=True))
 
 
-def _indexer_scores(attn: Attention, x: torch.Tensor, q_residual: torch.Tensor, weights, ctx: Ctx) -> torch.Tensor:
+def index_scores_all(
+    ops: TorchBackend, w: AttentionWeights, x: torch.Tensor, q_residual: torch.Tensor, ctx: Ctx
+) -> torch.Tensor:
     """The Lightning Indexer's score of every compressed entry for every token: [B, L, rows], -inf where the
-    entry is not visible yet. x: [B*L, hidden], q_residual: [B*L, q_lora] (both detached), weights: the
-    indexer's input projections (its compressor's wkv and wgate, weights_proj)."""
-    idx, batch, length = attn.indexer, ctx.batch, ctx.length
-    kv, gate, head_w = (p.view(batch, length, -1) for p in attn.ops.linears(x, weights))
-    rows = _compress(idx.compressor, kv, gate, ctx, CSA)  # [B, n, d]
-    q, head_w = idx.queries(q_residual, head_w.reshape(batch * length, -1), ctx.compress_rope)
-    scores = idx.scores(q.view(batch, length, idx.n_heads, -1), rows.float(), head_w.view(batch, length, -1))
-    return scores.masked_fill(~ctx.visible[CSA], float("-inf"))
+    entry is not visible yet. x: [B*L, hidden], q_residual: [B*L, q_lora] (both detached)."""
+    idx, batch, length = w.indexer, ctx.batch, ctx.length
+    kv, gate, head_w = (p.view(batch, length, -1) for p in ops.linears(x, w.inputs[4:]))
+    rows = compress(ops, idx.compressor, kv, gate, ctx, CSA)  # [B, n, d]
+    q, head_w = index_queries(ops, idx, q_residual, head_w.reshape(batch * length, -1), ctx.compress_rope)
+    out = index_scores(idx, q.view(batch, length, idx.heads, -1), rows.float(), head_w.view(batch, length, -1))
+    return out.masked_fill(~ctx.visible[CSA], float("-inf"))
 
 
-def _indexer_kl(scores: torch.Tensor, idx_scores: torch.Tensor, visible: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+def indexer_kl(scores: torch.Tensor, idx_scores: torch.Tensor, visible: torch.Tensor, ctx: Ctx) -> torch.Tensor:
     """The indexer's loss: KL(the main attention's distribution over the visible compressed entries, heads
     averaged and detached || the indexer's). scores: the attention's [B*nb, Q, H, K] (entries last)."""
     batch, length, n = ctx.batch, ctx.length, idx_scores.shape[-1]
@@ -180,20 +187,18 @@ def _indexer_kl(scores: torch.Tensor, idx_scores: torch.Tensor, visible: torch.T
     return (target * (target.clamp_min(1e-30).log() - log_q.clamp_min(-1e4))).sum(-1).mean()
 
 
-def _moe(moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, ctx: Ctx, stats_key: str) -> torch.Tensor:
-    out, experts = moe.routed_torch(x, input_ids)  # the router is differentiable as it is
-    if not moe.gate.is_hash:
-        ctx.stats.setdefault("loads", {})[stats_key] = torch.bincount(
-            experts.flatten(), minlength=moe.gate.weight.shape[0]
-        )
+def moe(ops: TorchBackend, w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor, ctx: Ctx, key: str):
+    out, experts = routed(ops, w, x, input_ids)  # the router is differentiable as it is
+    if w.tid2eid is None:  # (a top-k router: its loads, for balance_routers_)
+        ctx.stats.setdefault("loads", {})[key] = torch.bincount(experts.flatten(), minlength=w.gate.shape[0])
     return out
 
 
-def _block(block: Block, streams: torch.Tensor, input_ids: torch.Tensor, ctx: Ctx, key: str) -> torch.Tensor:
-    x, post, comb = ctx.hc_pre(streams, block.mix("attn"))
-    streams = ctx.hc_post(_attention(block.attn, x, ctx), streams, post, comb)
-    x, post, comb = ctx.hc_pre(streams, block.mix("ffn"))
-    return ctx.hc_post(_moe(block.ffn, x, input_ids, ctx, key), streams, post, comb)
+def block(ops: TorchBackend, w: BlockWeights, streams: torch.Tensor, input_ids, ctx: Ctx, key: str) -> torch.Tensor:
+    x, post, comb = ctx.hc_pre(streams, w.attn_mix)
+    streams = ctx.hc_post(attention(ops, w.attn, x, ctx), streams, post, comb)
+    x, post, comb = ctx.hc_pre(streams, w.ffn_mix)
+    return ctx.hc_post(moe(ops, w.moe, x, input_ids, ctx, key), streams, post, comb)
 
 
 def trunk_forward(model: DeepseekV4, ids: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,18 +208,18 @@ def trunk_forward(model: DeepseekV4, ids: torch.Tensor, ctx: Ctx) -> tuple[torch
     trunk_in = ids[:, : ctx.length].reshape(-1)
     x = model.embed(trunk_in)
     streams = x.unsqueeze(1).expand(-1, model.cfg.hc_mult, -1)
-    for key, block in model.layers.items():
-        streams = _block(block, streams, trunk_in, ctx, key)
+    for key, w in zip(model.layers, model.stage_weights().blocks, strict=True):
+        streams = block(model.ops, w, streams, trunk_in, ctx, key)
     return streams, model.logits(model.head_hidden(streams))
 
 
 def mtp_forward(model: DeepseekV4, streams: torch.Tensor, ids: torch.Tensor, ctx: Ctx) -> torch.Tensor:
     """The MTP layer at positions 0..L-1 from the trunk's streams there and the embeddings of tokens 1..L of
-    ids [B, >= L + 1]: its logits [B*L, V] (for tokens 2..L+1)."""
-    mtp = model.mtp["0"]
+    ids [B, >= L + 1]: its logits [B*L, V] (for tokens 2..L+1). (torch_math.blocks.mtp over whole sequences.)"""
+    ops, w = model.ops, model.mtp_weights()
     mtp_in = ids[:, 1 : ctx.length + 1].reshape(-1)  # the MTP layer at t embeds token t+1
-    out = _block(mtp, mtp.block_input(streams, model.embed(mtp_in)), mtp_in, ctx, "mtp.0")
-    return model.logits(mtp.head_hidden(out))
+    out = block(ops, w.block, mtp_input(ops, w, streams, model.embed(mtp_in)), mtp_in, ctx, "mtp.0")
+    return model.logits(ops.hc_head(out, w.head))
 
 
 def forward_train(model: DeepseekV4, ids: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:

@@ -217,7 +217,7 @@ def tune(uc: UnlikelihoodConfig, log=print, argv: list[str] | None = None, prepa
     """Fine-tunes, writes the model directory `uc.out` and returns the "unlikelihood" record of its summary."""
     from tqdm import tqdm
 
-    from leanserve.model.deepseek_v4 import build_model
+    from leanserve.model.build import build_model
     from leanserve.model.loader import checkpoint_dtype, has_mtp_weights, load_weights, save_checkpoint
 
     corpus, cfg = prepared or prepare(uc)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from leanserve.model.cpu_kernels.base import EMPTY, Threaded, _f32_from_bits, _inlined, _jit, numba, prange
-from leanserve.model.cpu_kernels.linear import (
+from leanserve.model.backends.cpu.kernels.base import EMPTY, Threaded, _f32_from_bits, _inlined, _jit, numba, prange
+from leanserve.model.backends.cpu.kernels.linear import (
     LINEAR_CHUNK,
     ROW_BLOCK,
     _chunk_ends_jit,
@@ -17,7 +17,7 @@ from leanserve.model.cpu_kernels.linear import (
     _linear_tiles_jit,
     linear,
 )
-from leanserve.model.cpu_kernels.simd import _AVX512, _fp4_row_dot_avx512, _fp8_row_dot
+from leanserve.model.backends.cpu.kernels.simd import _AVX512, _fp4_row_dot_avx512, _fp8_row_dot
 from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts, Fp8Weight
 
 # --- FP8 / FP4 weights, dequantized as they are read (see quant.py) -------------------------------------------

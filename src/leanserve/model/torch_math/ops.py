@@ -1,6 +1,5 @@
-"""The torch statement of the model's small ops (the torch backend runs these; the CPU backend runs kernels
-where they apply, see backend.py): linears, the experts' SwiGLU, RMSNorm, partial
-interleaved RoPE."""
+"""The torch statement of the model's small ops: linears, the experts' SwiGLU, RMSNorm, partial interleaved
+RoPE. TorchBackend runs these; the CPU backend runs its kernels where they apply and these elsewhere."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from leanserve.model.quant import dense, expert_matrix
 
 def linears(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """x [..., in] @ w[out, in]^T for each of `weights`, in x's dtype (a bfloat16 weight meets float32
-    activations on the CPU, see backend.activation_dtype; a quantized one is dequantized for the call)."""
+    activations on the CPU, see TorchBackend.activation_dtype; a quantized one is dequantized for the call)."""
     return tuple([F.linear(x, dense(w, x.dtype)) for w in weights])
 
 

@@ -1,23 +1,24 @@
-"""The CPU backend: the numba kernels (cpu_kernels/) on float32 activations, with float32 or bfloat16 weights
-widened as they are read; decode-sized steps run whole as numpy arrays (decode.py). Each op falls back to the
-torch statement (TorchBackend) for inputs the kernels do not take (autograd, other dtypes, sizes where torch's
-blocked matmuls win). The size thresholds live here and nowhere else.
+"""The CPU backend: the numba kernels (kernels/) on float32 activations, with float32 or bfloat16 weights widened
+as they are read; decode-sized steps run whole as numpy arrays (decode.py). Each op falls back to the torch
+statement (TorchBackend) for inputs the kernels do not take (autograd, other dtypes, sizes where torch's blocked
+matmuls win). The size thresholds live here and nowhere else; benchmarks/ and docs/ hold their measurements.
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from leanserve.model import cpu_kernels as ck
-from leanserve.model import decode, torch_ops
-from leanserve.model.backend import TorchBackend
-from leanserve.model.hyper import MixWeights
+from leanserve.model.backends.cpu import arrays, decode
+from leanserve.model.backends.cpu import kernels as ck
+from leanserve.model.backends.cpu.views import KeptViews, numpy_views, tensors_of
+from leanserve.model.backends.torch import TorchBackend
 from leanserve.model.quant import Fp4Weight, Fp8Experts, Fp8Weight
+from leanserve.model.torch_math import blocks, ops
+from leanserve.model.weights import MixWeights
 
 # Up to this many rows, a linear layer, a grouped linear and the whole MoE run as compiled loops (decode and
 # verification steps): at these sizes torch's matmuls cost several times the arithmetic in call and packing
@@ -25,17 +26,15 @@ from leanserve.model.quant import Fp4Weight, Fp8Experts, Fp8Weight
 # narrow (NARROW_INPUT) or the experts small (SMALL_EXPERT).
 FEW_ROWS = 64
 # Linears (and grouped linears) of at most this many inputs run as compiled loops at any number of rows: the
-# kernels' register tiles beat torch's matmuls there (kernel / torch at 512 rows: 0.80 at 384 inputs, 0.57 at
-# 512, 0.93 at 1024; 15-30% faster from 192 x 548 to 96 x 256 at 2048 rows, bf16 weights included), not at
-# V4's widths (1.25 at 4096 inputs).
+# kernels' register tiles beat torch's matmuls up to about this width, bfloat16 weights included, and lose at
+# V4's widths (4096 inputs).
 NARROW_INPUT = 1024
 # Steps of up to this many tokens whose rows go into the rings first (decode, verification, the MTP layer's
 # steps) run the blocks as numpy arrays through the kernels, one plan per block (decode.py).
 DECODE_TOKENS = 64
 # The whole MoE runs as one compiled call at any number of rows when an expert's w13 has at most this many
-# entries (hidden x 2 * intermediate): there the kernels' register tiles beat torch's packing at every size.
-# Measured (torch / kernel ms, 2048 tokens): 192 x 128 (the shipped model) 3.5 / 2.3; 1024 x 512 (16 experts,
-# top 4) 103 / 70; 4096 x 4096 (V4-Flash's, 8 experts, top 2) 1449 / 1562: torch wins from ~1000 rows there.
+# entries (hidden x 2 * intermediate): there the kernels' register tiles beat torch's packing at every size; at
+# V4-Flash's experts torch wins from about a thousand rows.
 SMALL_EXPERT = 1 << 20
 # Padded experts (two batched matmuls over [E, M, ...]) when padding every expert to the largest count M costs
 # at most twice the rows, and M is at most this; else a grouped matmul.
@@ -69,7 +68,7 @@ def _weights(weights: tuple, quantized: tuple[type, ...] = ()) -> bool:
     return all(
         _plain(w) and w.dtype is dtype and dtype in _WEIGHT_DTYPES
         if isinstance(w, torch.Tensor)
-        else isinstance(w, quantized) and all(_plain(t) for t in _tensors(w))
+        else isinstance(w, quantized) and all(_plain(t) for t in tensors_of(w))
         for w in weights
     )
 
@@ -79,33 +78,10 @@ def _linear_weights(weights: tuple) -> bool:
     return _weights(tuple([w for w in weights if not isinstance(w, Fp8Weight)]) or (weights[0],), (Fp8Weight,))
 
 
-def numpy_views(obj):
-    """A typed weights value (a dataclass of tensors, nested ones and constants) with each tensor replaced by its
-    numpy view (bfloat16 as raw uint16 bits)."""
-    if isinstance(obj, torch.Tensor):
-        return ck.weight_np(obj)
-    if dataclasses.is_dataclass(obj):
-        return type(obj)(**{f.name: numpy_views(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
-    if isinstance(obj, tuple):
-        return tuple([numpy_views(o) for o in obj])
-    return obj
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    """Every tensor of a typed weights value."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if dataclasses.is_dataclass(obj):
-        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
-    if isinstance(obj, tuple):
-        return [t for o in obj for t in _tensors(o)]
-    return []
-
-
 def keep_freed_memory() -> None:
     """glibc gives a freed block back to the system once the top of its heap passes a trim threshold, and serves
     large requests by mmap, so a prefill's activations (megabytes a layer) are page-faulted in afresh at every
-    step (hc_post's output alone: 1.3 ms of a 2048-token call, 0.4 ms of it arithmetic). A fixed 32 MiB mmap
+    step (for hc_post's output, more time than its arithmetic). A fixed 32 MiB mmap
     threshold (glibc's largest) and a 1 GiB trim threshold keep freed blocks for reuse; the peak memory stays
     the same. Once per process, and only where the C library is glibc."""
     global _kept_freed
@@ -126,24 +102,21 @@ _kept_freed = False
 
 class CpuBackend(TorchBackend):
     name = "cpu"
+    needs = "a CPU, float32 or bfloat16 weights and numba"
+
+    @classmethod
+    def why_not(cls, device: str | torch.device, weight_dtype: torch.dtype) -> str | None:
+        if ck.numba is None:
+            return "numba is not installed"
+        if not ck.available() or torch.device(device).type != "cpu" or weight_dtype not in _WEIGHT_DTYPES:
+            return f"the device is {device} with {weight_dtype}"
+        return None
 
     def __init__(self) -> None:
         keep_freed_memory()
-        self._plans: dict[tuple[int, int], decode.Plan] = {}  # (id(block), id(cache)) -> its decode plan
-        # (id(module), what) -> (its tensors, their pointers, the numpy views of its typed weights)
-        self._kept: dict[tuple[int, str], tuple] = {}
-
-    def kept_views(self, owner, make, tensors=None):
-        """numpy_views(make()) for a module, kept per (module, make) and made again only when one of `tensors` (a
-        function of the typed weights; default: the module's parameters and buffers) changes storage (loading,
-        `.data` assignment)."""
-        key = (id(owner), make.__name__)
-        kept = self._kept.get(key)
-        if kept is None or decode.data_ptrs(kept[0]) != kept[1]:
-            w = make()
-            ts = tensors(w) if tensors is not None else [*owner.parameters(), *owner.buffers()]
-            kept = self._kept[key] = (ts, decode.data_ptrs(ts), numpy_views(w))
-        return kept[2]
+        # (id(block weights), id(cache)) -> (the weights, kept so that the id is not reused; its decode plan)
+        self._plans: dict[tuple[int, int], tuple[object, decode.Plan]] = {}
+        self._views = KeptViews()
 
     def activation_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
         """bfloat16 weights meet float32 activations: the kernels widen each weight row as they read it, so a step
@@ -160,7 +133,7 @@ class CpuBackend(TorchBackend):
             return tuple([torch.from_numpy(o).view(*x.shape[:-1], o.shape[1]) for o in outs])
         if _activations(x) and _linear_weights(weights) and any(isinstance(w, Fp8Weight) for w in weights):
             # (a prefill: torch matmuls, each FP8 weight dequantized alone by the kernels just before its own)
-            return tuple([F.linear(x, _dense(w)) if isinstance(w, Fp8Weight) else torch_ops.linears(x, (w,))[0]
+            return tuple([F.linear(x, _dense(w)) if isinstance(w, Fp8Weight) else ops.linears(x, (w,))[0]
                           for w in weights])  # fmt: skip
         return super().linears(x, weights)
 
@@ -168,15 +141,15 @@ class CpuBackend(TorchBackend):
         if _compiled_linear(x.shape[0], x.shape[-1]) and _activations(x) and _weights((weight,), (Fp8Weight,)):
             w = numpy_views(weight)
             w = w if isinstance(w, Fp8Weight) else w.reshape(x.shape[1], -1, x.shape[2])
-            return torch.from_numpy(decode.grouped_linear_arrays(x.numpy(), w))
+            return torch.from_numpy(arrays.grouped_linear_arrays(x.numpy(), w))
         if isinstance(weight, Fp8Weight) and _activations(x) and _weights((weight,), (Fp8Weight,)):
-            return torch_ops.grouped_linear(x, _dense(weight))  # (a prefill: dequantized by the kernels for the call)
+            return ops.grouped_linear(x, _dense(weight))  # (a prefill: dequantized by the kernels for the call)
         return super().grouped_linear(x, weight)
 
     def rms_norm(self, x, eps, weight=None):
         if _activations(x, weight):
             flat = x.view(x.numel() // x.shape[-1], x.shape[-1])
-            return torch.from_numpy(decode.rms_norm_arrays(flat.numpy(), ck.np_(weight), eps)).view(x.shape)
+            return torch.from_numpy(arrays.rms_norm_arrays(flat.numpy(), ck.np_(weight), eps)).view(x.shape)
         return super().rms_norm(x, eps, weight)
 
     def norm_rope(self, x, freqs, eps, weight=None):
@@ -193,68 +166,13 @@ class CpuBackend(TorchBackend):
     def _rope(x, freqs, inverse: bool, normalize: bool, eps: float, weight) -> torch.Tensor:
         flat = x.view(x.shape[0], x.numel() // (x.shape[0] * x.shape[-1]), x.shape[-1])  # [N, heads, D]
         angles = torch.view_as_real(freqs.contiguous()).numpy()  # [N, rope_dim/2, 2]
-        out = decode.rope_arrays(flat.numpy(), angles, eps, normalize, ck.np_(weight), inverse)
+        out = arrays.rope_arrays(flat.numpy(), angles, eps, normalize, ck.np_(weight), inverse)
         return torch.from_numpy(out).view(x.shape)
-
-    # --- mHC ------------------------------------------------------------------------------------------
-    def hc_pre(self, streams, w: MixWeights):
-        if not _activations(streams, w.fn, w.norm_weight):
-            return super().hc_pre(streams, w)
-        # One call: the projection, the mHC weights, the collapse of the streams and the block input's RMSNorm. (The
-        # kernel's own projection, 24 outputs a row, beats a torch matmul at every size: at 2048 tokens 459 us
-        # against 698 for the shipped model, 5.8 against 8.2 ms at V4-Flash's width and 1024 tokens.)
-        x, weights = decode.hc_pre_arrays(streams.numpy(), numpy_views(w))
-        x, weights, hc = torch.from_numpy(x), torch.from_numpy(weights), streams.shape[1]
-        return x, weights[:, hc : 2 * hc], weights[:, 2 * hc :].unflatten(-1, (hc, hc))
-
-    def hc_post(self, block_out, streams, post, comb):
-        if _activations(block_out, streams, strided=(post, comb)):
-            out = decode.hc_post_arrays(block_out.numpy(), streams.numpy(), post.numpy(), comb.flatten(1).numpy())
-            return torch.from_numpy(out)
-        return super().hc_post(block_out, streams, post, comb)
-
-    def hc_head(self, streams, w: MixWeights):
-        if _activations(streams, w.fn, w.norm_weight):  # hc_pre's kernel: the pre weights are all it computes
-            return torch.from_numpy(decode.hc_pre_arrays(streams.numpy(), numpy_views(w))[0])
-        return super().hc_head(streams, w)
-
-    def head_hidden(self, owner, streams):
-        if not _activations(streams):
-            return super().head_hidden(owner, streams)
-        w = self.kept_views(owner, owner.head_mix, _tensors)  # (a MixWeights holds parameters only)
-        return torch.from_numpy(decode.hc_pre_arrays(streams.numpy(), w)[0])
-
-    # --- whole pieces ---------------------------------------------------------------------------------
-    def compress(self, comp, kv, gate, meta, kv_ring, gate_ring, rows, row_rope):
-        if not _activations(kv, gate, kv_ring, gate_ring, rows):
-            return super().compress(comp, kv, gate, meta, kv_ring, gate_ring, rows, row_rope)
-        angles = torch.view_as_real(row_rope.contiguous()).numpy()  # [NW, R/2, 2]
-        r = decode.Rings.of(kv_ring, gate_ring, rows)
-        decode.compress_arrays(
-            kv.numpy(), gate.numpy(), meta.arrays(), r.kv, r.gate, r.rows, angles, meta.write_first,
-            self.kept_views(comp, comp.weights),
-        )  # fmt: skip
-
-    def attend(self, attn, q, ring, new_kv, fb, cache, index_queries, rope):
-        # Every CPU step in float32 attends through the kernel (threaded over query blocks: no [blocks, heads,
-        # queries, keys] score tensors).
-        if not _activations(q, ring, new_kv):
-            return super().attend(attn, q, ring, new_kv, fb, cache, index_queries, rope)
-        out = torch.empty_like(q)
-        arrays = q.numpy(), ring.numpy(), decode.NO_NEW_KV if new_kv is None else new_kv.numpy()
-        angles = torch.view_as_real(rope.contiguous()).numpy()
-        iq = None if index_queries is None else (index_queries[0].numpy(), index_queries[1].numpy())
-        w, rows = self.kept_views(attn, attn.weights), decode.cache_rows(cache)
-        for g in fb.groups:
-            most = g.max_visible[attn.layer_type] if w.compressor is not None else 0
-            visible = g.visible[attn.layer_type].numpy() if most else np.zeros(g.q_rows.shape, dtype=np.int64)
-            decode.attend_arrays(w, *arrays, g.arrays(), most, visible, *rows, iq, angles, out.numpy())
-        return out
 
     def experts(self, rows, counts, w13, w2, limit):
         if _activations(rows) and _weights((w13, w2), (Fp4Weight, Fp8Experts)) and not _weights((w13, w2)):
             # (quantized experts, a prefill: one expert at a time dequantized by the kernels, then torch matmuls)
-            return torch_ops.experts(rows, counts, w13, w2, limit, matrix=_expert_dense)
+            return ops.experts(rows, counts, w13, w2, limit, matrix=_expert_dense)
         if not _weights((w13, w2)):
             return super().experts(rows, counts, w13, w2, limit)
         w13, w2 = w13.to(rows.dtype), w2.to(rows.dtype)  # (bfloat16 weights: widened once, for either way)
@@ -262,20 +180,66 @@ class CpuBackend(TorchBackend):
         if padded is not None:
             return padded
         grouped = _grouped_mm if hasattr(torch, "_grouped_mm") else None
-        return torch_ops.experts(rows, counts, w13, w2, limit, grouped)
+        return ops.experts(rows, counts, w13, w2, limit, grouped)
 
-    def moe(self, moe, x, input_ids):
-        if (x.shape[0] <= FEW_ROWS or moe.experts.w13_entries <= SMALL_EXPERT) and _activations(x):
-            w = moe.weights()
+    # --- mHC ------------------------------------------------------------------------------------------
+    def hc_pre(self, streams, w: MixWeights):
+        if not _activations(streams, w.fn, w.norm_weight):
+            return super().hc_pre(streams, w)
+        # One call: the projection, the mHC weights, the collapse of the streams and the block input's RMSNorm (the
+        # kernel's own projection, a few dozen outputs a row, beats a torch matmul at every size).
+        x, weights = arrays.hc_pre_arrays(streams.numpy(), numpy_views(w))
+        x, weights, hc = torch.from_numpy(x), torch.from_numpy(weights), streams.shape[1]
+        return x, weights[:, hc : 2 * hc], weights[:, 2 * hc :].unflatten(-1, (hc, hc))
+
+    def hc_post(self, block_out, streams, post, comb):
+        if _activations(block_out, streams, strided=(post, comb)):
+            out = arrays.hc_post_arrays(block_out.numpy(), streams.numpy(), post.numpy(), comb.flatten(1).numpy())
+            return torch.from_numpy(out)
+        return super().hc_post(block_out, streams, post, comb)
+
+    def hc_head(self, streams, w: MixWeights):
+        if _activations(streams, w.fn, w.norm_weight):  # hc_pre's kernel: the pre weights are all it computes
+            return torch.from_numpy(arrays.hc_pre_arrays(streams.numpy(), self._views.get(w))[0])
+        return super().hc_head(streams, w)
+
+    # --- the pieces -----------------------------------------------------------------------------------
+    def compress(self, w, kv, gate, meta, kv_ring, gate_ring, rows, row_rope):
+        if not _activations(kv, gate, kv_ring, gate_ring, rows):
+            return super().compress(w, kv, gate, meta, kv_ring, gate_ring, rows, row_rope)
+        angles = torch.view_as_real(row_rope.contiguous()).numpy()  # [NW, R/2, 2]
+        r = decode.Rings.of(kv_ring, gate_ring, rows)
+        arrays.compress_arrays(
+            kv.numpy(), gate.numpy(), meta.arrays(), r.kv, r.gate, r.rows, angles, meta.write_first, self._views.get(w)
+        )
+
+    def attend(self, w, q, ring, new_kv, fb, cache, iq, rope):
+        # Every CPU step in float32 attends through the kernel (threaded over query blocks: no [blocks, heads,
+        # queries, keys] score tensors).
+        if not _activations(q, ring, new_kv):
+            return super().attend(w, q, ring, new_kv, fb, cache, iq, rope)
+        out = torch.empty_like(q)
+        args = q.numpy(), ring.numpy(), arrays.NO_NEW_KV if new_kv is None else new_kv.numpy()
+        angles = torch.view_as_real(rope.contiguous()).numpy()
+        iq = None if iq is None else (iq[0].numpy(), iq[1].numpy())
+        views, rows = self._views.get(w), arrays.cache_rows(cache)
+        for g in fb.groups:
+            most = g.max_visible[w.layer_type] if w.compressor is not None else 0
+            visible = g.visible[w.layer_type].numpy() if most else np.zeros(g.q_rows.shape, dtype=np.int64)
+            arrays.attend_arrays(views, *args, g.arrays(), most, visible, *rows, iq, angles, out.numpy())
+        return out
+
+    def moe(self, w, x, input_ids):
+        if (x.shape[0] <= FEW_ROWS or w.w13_entries <= SMALL_EXPERT) and _activations(x):
             quant = (Fp8Weight, Fp8Experts, Fp4Weight)
             if (
                 _weights((w.gate,))
                 and _weights((w.w13, w.w2), quant)
                 and _weights((w.shared_w1, w.shared_w3, w.shared_w2), (Fp8Weight,))
             ):
-                views = self.kept_views(moe, moe.weights)
-                return torch.from_numpy(decode.moe_arrays(x.numpy(), input_ids.numpy(), decode.moe_args(views)))
-        return super().moe(moe, x, input_ids)
+                args = self._views.get(w, "moe_args", lambda w: arrays.moe_args(numpy_views(w)))
+                return torch.from_numpy(arrays.moe_arrays(x.numpy(), input_ids.numpy(), args))
+        return super().moe(w, x, input_ids)
 
     # --- decode-sized steps, whole ----------------------------------------------------------------------
     @staticmethod
@@ -291,42 +255,40 @@ class CpuBackend(TorchBackend):
             and fb.input_ids.is_cpu
         )
 
-    def _angles(self, rotary, positions: torch.Tensor) -> np.ndarray:
+    def _angles(self, table: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
         """A RoPE table at `positions` as the kernels take it, real pairs [N, R/2, 2], indexed from the table's
         kept numpy view (no torch op)."""
-        return self.kept_views(rotary, rotary.pairs)[positions.numpy()]
+        return self._views.get(table, "pairs", lambda t: torch.view_as_real(t).numpy())[positions.numpy()]
 
-    def plan(self, block, cache) -> decode.Plan:
-        """The block's decode plan with this cache, made again when a weight's storage changed."""
-        key = (id(block), id(cache))
-        plan = self._plans.get(key)
-        if plan is None or not plan.current():
-            tensors = [*block.parameters(), *block.buffers()]
-            plan = self._plans[key] = decode.Plan(numpy_views(block.weights()), tensors, cache)
-        return plan
+    def plan(self, w, cache) -> decode.Plan:
+        """The decode plan of a block's weights with this cache, made again when a weight's storage changed."""
+        key = (id(w), id(cache))
+        kept = self._plans.get(key)
+        if kept is None or not kept[1].current():
+            kept = self._plans[key] = (w, decode.Plan(numpy_views(w), tensors_of(w), cache))
+        return kept[1]
 
-    def run_blocks(self, model, fb, caches, streams):
-        if not self.decode_step(fb, model.act_dtype):
-            return super().run_blocks(model, fb, caches, streams)
-        plans = [self.plan(block, caches[key]) for key, block in model.layers.items()]
-        embed = self.kept_views(model.embed, model.embed.table) if streams is None else None
+    def run_blocks(self, w, fb, caches, streams):
+        if not self.decode_step(fb, w.act_dtype):
+            return super().run_blocks(w, fb, caches, streams)
+        plans = [self.plan(bw, cache) for bw, cache in zip(w.blocks, caches, strict=True)]
+        embed = self._views.get(w.embed) if streams is None else None
         s = None if streams is None else streams.numpy()
-        step = decode.Step(fb, model.ropes(fb, self._angles))
-        return torch.from_numpy(decode.run_blocks(embed, plans, model.cfg.hc_mult, step, s))
+        step = decode.Step(fb, blocks.ropes(w.rope, fb, self._angles))
+        return torch.from_numpy(decode.blocks(embed, plans, w.hc_mult, step, s))
 
-    def run_mtp(self, model, streams, fb, caches):
+    def run_mtp(self, w, streams, fb, cache):
         if not (self.decode_step(fb, streams.dtype) and _activations(streams)):
-            return super().run_mtp(model, streams, fb, caches)
+            return super().run_mtp(w, streams, fb, cache)
         # The whole layer as numpy arrays: the embedding's rows and the RoPE angles indexed from their tables.
-        mtp, cache = model.mtp["0"], caches["mtp.0"]
-        w = self.kept_views(mtp, mtp.mtp_weights)
-        plan = self._plans.get((id(mtp), id(cache)))
-        if plan is None or plan.w is not w.block:  # (the block's views are the MTP layer's, kept with them)
-            plan = self._plans[(id(mtp), id(cache))] = decode.Plan(w.block, [], cache)
-        embed = self.kept_views(model.embed, model.embed.table)
-        angles = model.ropes(fb, self._angles)  # (sliding attention only: "main")
+        views = self._views.get(w)
+        kept = self._plans.get((id(w), id(cache)))
+        if kept is None or kept[1].w is not views.block:  # (the block's views are the MTP layer's, kept with them)
+            kept = self._plans[(id(w), id(cache))] = (w, decode.Plan(views.block, [], cache))
+        plan = kept[1]
+        angles = blocks.ropes(w.rope, fb, self._angles)  # (sliding attention only: "main")
         rows = None if fb.logits_index is None else fb.logits_index.numpy()
-        hidden, out = decode.run_mtp(w, plan, embed, streams.numpy(), decode.Step(fb, angles), rows)
+        hidden, out = decode.mtp(views, plan, streams.numpy(), decode.Step(fb, angles), rows)
         return torch.from_numpy(hidden), torch.from_numpy(out)
 
 
@@ -370,5 +332,5 @@ def padded_experts(
     padded = rows.new_zeros(num_experts * most, rows.shape[1])
     padded[slot] = rows
     gate, up = torch.bmm(padded.view(num_experts, most, -1), w13.transpose(1, 2)).chunk(2, dim=-1)
-    out = torch.bmm(torch_ops.swiglu(gate, up, limit), w2.transpose(1, 2))  # [E, M, hidden]
+    out = torch.bmm(ops.swiglu(gate, up, limit), w2.transpose(1, 2))  # [E, M, hidden]
     return out.view(num_experts * most, -1)[slot]

@@ -1,5 +1,6 @@
 """Manifold-constrained hyper-connections (mHC): the residual is `hc_mult` streams. The torch statement of the
-math (the torch backend runs it; the CPU backend's kernels state it again, see cpu_kernels.hc_pre / hc_post).
+math (TorchBackend runs it, and training; the CPU backend's kernels state it again, see
+backends/cpu/kernels/mix.py).
 
 hc_pre:  from the RMS-normalised flattened streams, a learned projection gives `pre` (sigmoid), `post`
          (2*sigmoid) and `comb` (softmax, then Sinkhorn row/column normalisation); the block input is
@@ -10,27 +11,11 @@ hc_head: collapses the streams with its own sigmoid weights, then the final norm
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from leanserve.model.torch_ops import rms_norm
-
-
-@dataclass(frozen=True)
-class MixWeights:
-    """One mHC site: hc_pre's projection fn [(2 + hc) * hc, hc * D], base and scale [3] (pre, post, comb), or
-    hc_head's ([hc, hc * D], [hc], [1], with sinkhorn_iters 0); all float32. `norm_weight` [D] is the RMSNorm
-    of the collapsed streams (the block's attn_norm / ffn_norm, or the final norm)."""
-
-    fn: torch.Tensor
-    base: torch.Tensor
-    scale: torch.Tensor
-    norm_weight: torch.Tensor
-    norm_eps: float
-    hc_eps: float
-    sinkhorn_iters: int
+from leanserve.model.torch_math.ops import rms_norm
+from leanserve.model.weights import MixWeights
 
 
 def hc_pre(streams: torch.Tensor, w: MixWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

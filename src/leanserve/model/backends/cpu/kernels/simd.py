@@ -3,7 +3,7 @@ rows on AVX-512 by a 16-entry table lookup (`vpermps`)."""
 
 from __future__ import annotations
 
-from leanserve.model.cpu_kernels.base import numba
+from leanserve.model.backends.cpu.kernels.base import numba
 from leanserve.model.quant import FP8_BLOCK
 
 _fp8_row_dot = _fp4_row_dot_avx512 = None  # (nothing is compiled without numba)

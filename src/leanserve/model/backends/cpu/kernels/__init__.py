@@ -4,14 +4,15 @@ memory. Each kernel's math has a torch statement too (the torch backend's, used 
 and for autograd); tests/test_kernels.py compares the two.
 
 Kernels take numpy views of contiguous float32 CPU tensors and write into an output array; the CPU backend
-(cpu_backend.py) says when they apply, and decode.py calls them on numpy arrays. One module per job: `base`
-(compiler settings, builds, threads), `mix` (norms, mHC, RoPE), `linear` (few-row linears), `simd` (LLVM IR row
-dot products), `quantized` (FP8 / FP4 weights as stored), `moe`, `attention` (compressor, attention, indexer).
+(../backend.py) says when they apply, and ../arrays.py and ../decode.py call them on numpy arrays. One module per
+job: `base` (compiler settings, builds, threads), `mix` (norms, mHC, RoPE), `linear` (few-row linears), `simd`
+(LLVM IR row dot products), `quantized` (FP8 / FP4 weights as stored), `moe`, `attention` (compressor,
+attention, indexer).
 """
 
-from leanserve.model.cpu_kernels import attention, base, linear, mix, moe, quantized, simd
-from leanserve.model.cpu_kernels.attention import attend, compress, index_select
-from leanserve.model.cpu_kernels.base import (
+from leanserve.model.backends.cpu.kernels import attention, base, linear, mix, moe, quantized, simd
+from leanserve.model.backends.cpu.kernels.attention import attend, compress, index_select
+from leanserve.model.backends.cpu.kernels.base import (
     EMPTY,
     Threaded,
     _exp_jit,
@@ -24,10 +25,10 @@ from leanserve.model.cpu_kernels.base import (
     one_thread,
     weight_np,
 )
-from leanserve.model.cpu_kernels.linear import grouped_linear
-from leanserve.model.cpu_kernels.mix import hc_post, hc_post_pre, hc_pre, norm_rope, rms_norm
-from leanserve.model.cpu_kernels.moe import moe_tokens, moe_work
-from leanserve.model.cpu_kernels.quantized import (
+from leanserve.model.backends.cpu.kernels.linear import grouped_linear
+from leanserve.model.backends.cpu.kernels.mix import hc_post, hc_post_pre, hc_pre, norm_rope, rms_norm
+from leanserve.model.backends.cpu.kernels.moe import moe_tokens, moe_work
+from leanserve.model.backends.cpu.kernels.quantized import (
     Matmuls,
     dequantized,
     grouped_linear_fp8,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from leanserve.model.cpu_kernels.base import Threaded, _f32_from_bits, _jit, numba, prange
+from leanserve.model.backends.cpu.kernels.base import Threaded, _f32_from_bits, _jit, numba, prange
 
 
 # --- Linear for a few rows --------------------------------------------------------------------------------

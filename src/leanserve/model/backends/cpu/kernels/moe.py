@@ -7,9 +7,9 @@ import math
 
 import numpy as np
 
-from leanserve.model.cpu_kernels.base import Threaded, _exp_jit, _jit, prange
-from leanserve.model.cpu_kernels.linear import _linear_rows_jit
-from leanserve.model.cpu_kernels.quantized import _expert_rows, _matrix_rows
+from leanserve.model.backends.cpu.kernels.base import Threaded, _exp_jit, _jit, prange
+from leanserve.model.backends.cpu.kernels.linear import _linear_rows_jit
+from leanserve.model.backends.cpu.kernels.quantized import _expert_rows, _matrix_rows
 
 
 # --- MoE for a few tokens --------------------------------------------------------------------------------

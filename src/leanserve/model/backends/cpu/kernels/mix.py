@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from leanserve.model.cpu_kernels.base import _EXACT, Threaded, _exp_jit, _inlined, _jit, numba, prange
-from leanserve.model.cpu_kernels.linear import _linear_rows_jit
+from leanserve.model.backends.cpu.kernels.base import _EXACT, Threaded, _exp_jit, _inlined, _jit, numba, prange
+from leanserve.model.backends.cpu.kernels.linear import _linear_rows_jit
 
 
 # --- RMSNorm --------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from leanserve.model.cpu_kernels.base import Threaded, _copy_row_jit, _exp_jit, _jit, prange
-from leanserve.model.cpu_kernels.linear import _linear_tiles_jit
+from leanserve.model.backends.cpu.kernels.base import Threaded, _copy_row_jit, _exp_jit, _jit, prange
+from leanserve.model.backends.cpu.kernels.linear import _linear_tiles_jit
 
 
 # --- KV compressor, decode-sized steps ------------------------------------------------------------------

@@ -1,0 +1,57 @@
+"""Building a stage's model: the modules on the meta device, the checkpoint's headers checked against them, storage
+allocated on the device, the backend chosen and handed to every module. (Here rather than in deepseek_v4.py so
+that the model does not import the loader, which imports the model.)"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from leanserve.config import ModelConfig
+from leanserve.model.backends import select_backend
+from leanserve.model.deepseek_v4 import DeepseekV4, StageLayout
+from leanserve.model.layers import Rotary, set_backend
+from leanserve.model.loader import check_checkpoint
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    cfg: ModelConfig,
+    max_positions: int,
+    dtype: torch.dtype = torch.float32,
+    stage: StageLayout | None = None,
+    with_mtp: bool = False,
+    device: str = "cpu",
+    backend: str = "auto",
+    checkpoint: str | Path | None = None,
+) -> DeepseekV4:
+    """Builds on the meta device (no init cost), then allocates uninitialised storage on `device`; the
+    loader (or a random init) must fill every parameter and persistent buffer. With `checkpoint` (a model
+    directory), its safetensors headers are checked against the meta model first, so a checkpoint that does
+    not fit fails before anything is allocated. The stage's backend is chosen here, once (see
+    backends.select_backend), and sets the activations' dtype."""
+    ops = select_backend(device, dtype, backend)
+    with torch.device("meta"), _default_dtype(dtype):
+        model = DeepseekV4(cfg, max_positions, stage, with_mtp)
+    if checkpoint is not None:
+        check_checkpoint(model, checkpoint)
+    # (as to_empty, but torch.empty: empty_like of a meta tensor runs torch's Python reference, whose first call
+    # imports sympy, slowing every process's start-up)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    set_backend(model, ops)
+    model.act_dtype = ops.activation_dtype(dtype)
+    for m in model.modules():
+        if isinstance(m, Rotary):
+            m.reset_tables()
+    return model.eval().requires_grad_(False)
