@@ -32,13 +32,13 @@ build/random-tiny/model.safetensors: | $(STAMP)
 # The kernels compiled first, for every weight format in parallel processes (the tests then load them); the
 # tests in one worker process per core, at most 4 (many of them wait on processes they start, or on Python alone).
 test: install
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src train tests scripts
 	$(VENV)/bin/leanserve prebuild
 	$(VENV)/bin/pytest -n auto --maxprocesses 4
 
 lint: install
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src train tests scripts
+	$(VENV)/bin/ruff format --check src train tests scripts
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import re
 import statistics
 import subprocess
@@ -42,15 +43,23 @@ def load_old(ref: str, repo: Path, into: Path):
     return importlib.import_module(OLD)
 
 
+def _module(pkg: str, *names: str):
+    """The first of `names` (submodules of pkg) that exists: the configs moved between refs."""
+    for name in names:
+        if importlib.util.find_spec(f"{pkg}.{name}") is not None:
+            return importlib.import_module(f"{pkg}.{name}")
+    raise ModuleNotFoundError(f"none of {names} in {pkg}")
+
+
 def runner(pkg: str, model: str, dtype: str, batch: int, max_len: int, tokens: int):
-    cfg_mod = importlib.import_module(f"{pkg}.config")
+    cfg_mod = _module(pkg, "model.config", "config")
     run_mod = importlib.import_module(f"{pkg}.engine.runner")
     topo = importlib.import_module(f"{pkg}.engine.topology")
     eng = importlib.import_module(f"{pkg}.engine.llm_engine")
     cfg = cfg_mod.ModelConfig.from_hf(model)
-    # (EngineConfig lives in engine/config.py now, in config.py at older refs)
-    engine_cfg = getattr(cfg_mod, "EngineConfig", None) or importlib.import_module(f"{pkg}.engine.config").EngineConfig
-    config = engine_cfg(model, max_model_len=max_len, max_num_seqs=batch, max_num_batched_tokens=tokens)
+    config = _module(pkg, "engine.config", "config").EngineConfig(
+        model, max_model_len=max_len, max_num_seqs=batch, max_num_batched_tokens=tokens
+    )
     layout = topo.PipelineTopology.build(cfg, 1).layout(0)
     r = run_mod.StageRunner(cfg, config, layout, eng.resolve_dtype(dtype, model), max_len, progress=False)
     r.warmup()

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from leanserve.bench.prompts import EXCLUDED_DIRS, HELDOUT_PER_MILLE
-from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
+from leanserve.model.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from leanserve.model.deepseek_v4 import DeepseekV4
-from leanserve.train import data as data_mod
-from leanserve.train.evaluate import REPEAT_SPAN, most_repeated_span
-from leanserve.train.trainer import TrainConfig
+from train import data as data_mod
+from train.evaluate import REPEAT_SPAN, most_repeated_span
+from train.trainer import TrainConfig
 
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 DEFAULT_MAX_TOKENS = 48

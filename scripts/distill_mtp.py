@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Distil a trained model's MTP layer towards its own trunk, for a higher speculative acceptance; the trunk's
-weights stay byte-identical (see leanserve/train/distill.py).
+weights stay byte-identical (see train/distill.py).
 
     python scripts/distill_mtp.py --model models/small --out models/small --steps 300 --threads 2
 
@@ -9,8 +9,11 @@ OUT/distill_log.jsonl. Rewrite the model card afterwards with scripts/model_card
 """
 
 import sys
+from pathlib import Path
 
-from leanserve.train.distill import distill_main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train/ is not installed
+
+from train.distill import distill_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(distill_main())

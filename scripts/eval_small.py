@@ -9,8 +9,11 @@ It prints a table, then the figures as JSON; --json-out also writes the JSON to 
 """
 
 import sys
+from pathlib import Path
 
-from leanserve.train.evaluate import eval_main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train/ is not installed
+
+from train.evaluate import eval_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(eval_main())

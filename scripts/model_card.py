@@ -8,8 +8,11 @@ greedy example completion.
 """
 
 import sys
+from pathlib import Path
 
-from card import card_main  # scripts/card.py, beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train/ is not installed
+
+from card import card_main  # noqa: E402 - scripts/card.py, beside this script
 
 if __name__ == "__main__":
     sys.exit(card_main())

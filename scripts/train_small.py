@@ -3,12 +3,15 @@
 
     python scripts/train_small.py --out models/small --minutes 60 --threads 2
 
-See `--help` and leanserve/train/trainer.py.
+See `--help` and train/trainer.py.
 """
 
 import sys
+from pathlib import Path
 
-from leanserve.train.trainer import train_main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: train/ is not installed
+
+from train.trainer import train_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(train_main())

@@ -3,25 +3,21 @@ tmp_path_factory) and a small driver that runs leanserve's model step by step ag
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
-from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from leanserve.make_random import make_random
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.build import build_model
 from leanserve.model.cache import CacheGeometry
+from leanserve.model.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from leanserve.model.deepseek_v4 import DeepseekV4
 from leanserve.model.loader import has_mtp_weights, load_weights
 
 MAX_LEN = 256
-
-# The model card writer (scripts/card.py) lives beside the scripts, outside the installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 # The models here are tiny: one thread is faster than several (and much faster on a shared, busy machine).
 torch.set_num_threads(1)

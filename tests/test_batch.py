@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from leanserve.config import ModelConfig
 from leanserve.model import batch
 from leanserve.model.backends.cpu import kernels as cpu_kernels
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.cache import CacheGeometry
+from leanserve.model.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(batch._short_kernels is None, reason="numba is not installed")
 

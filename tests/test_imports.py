@@ -9,6 +9,8 @@ leanserve.a.b's) first, so that is an edge too; a module inside a package import
 package is already being imported)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import leanserve
@@ -121,3 +123,17 @@ def test_the_cycle_finder_finds_one():
 def test_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_serving_never_imports_training():
+    """Training (the repo's train/ package) is not installed: no leanserve module imports it, and importing
+    leanserve and its CLI loads none of it."""
+    importers = sorted(
+        name
+        for name, path in _modules().items()
+        if any(t == "train" or t.startswith("train.") for t in _imports(ast.parse(path.read_text()), name, False))
+    )
+    assert importers == []
+    code = "import sys, leanserve, leanserve.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'train'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=SRC.parents[1])
+    assert out.stdout.strip() == "[]"

@@ -178,8 +178,8 @@ def test_moe_of_large_experts_in_a_prefill_matches_torch(kind, monkeypatch):
 def _check_moe(kind, scoring, weight_dtype, tokens):
     from dataclasses import replace
 
-    from leanserve.config import ModelConfig
     from leanserve.model.backends.cpu.backend import FEW_ROWS
+    from leanserve.model.config import ModelConfig
     from leanserve.model.moe import MoE
 
     tokens = FEW_ROWS if tokens == "few" else tokens
@@ -304,7 +304,7 @@ def test_quantized_moe_few_tokens_matches_torch(kind, experts, tokens):
     # a prefill's, through the torch statement, one expert dequantized at a time).
     from dataclasses import replace
 
-    from leanserve.config import ModelConfig, Quantization
+    from leanserve.model.config import ModelConfig, Quantization
     from leanserve.model.moe import MoE
 
     cfg = ModelConfig.from_hf("models/dsv4-stdlib-8m")
@@ -328,8 +328,8 @@ def quantized_models(tiny_model):
     routed experts, quantized from its weights."""
     from dataclasses import replace
 
-    from leanserve.config import Quantization
     from leanserve.model.build import build_model
+    from leanserve.model.config import Quantization
 
     models = {}
     for experts in ("fp4", "fp8"):

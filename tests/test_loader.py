@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig
 from leanserve.model.batch import Chunk
 from leanserve.model.build import build_model
+from leanserve.model.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig
 from leanserve.model.loader import CheckpointError, has_mtp_weights, load_weights
 
 SINGLE = "model.safetensors"

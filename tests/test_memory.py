@@ -15,13 +15,13 @@ import torch
 
 from leanserve import LLM, SamplingParams
 from leanserve.cli import main
-from leanserve.config import ConfigError, ModelConfig, Quantization
 from leanserve.engine.config import EngineConfig, SpeculativeConfig
 from leanserve.engine.runner import StageRunner
 from leanserve.engine.topology import PipelineTopology
 from leanserve.memory import PIPELINE, SPEC_MTP, MemoryLedger, weights_by_format
 from leanserve.model.build import build_model
 from leanserve.model.cache import CacheGeometry
+from leanserve.model.config import ConfigError, ModelConfig, Quantization
 from leanserve.model.layers import Linear
 from leanserve.model.moe import Experts
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import DeepseekV4ForCausalLM
 
-from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, RopeConfig
 from leanserve.model.batch import Chunk
+from leanserve.model.config import CSA, HASH_MOE, HCA, MOE, SLIDING, RopeConfig
 
 TOL = 1e-4
 NEW_TOKENS = 40

@@ -17,11 +17,11 @@ import pytest
 
 from conftest import FIVE_LAYERS
 from leanserve import LLM, SamplingParams
-from leanserve.config import ConfigError, ModelConfig
 from leanserve.engine.costs import stage_costs
 from leanserve.engine.pipeline import StageFailure
 from leanserve.engine.topology import PipelineTopology, balanced
 from leanserve.make_random import preset_config
+from leanserve.model.config import ConfigError, ModelConfig
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "dsv4-stdlib-12l"
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from leanserve.config import CSA, HCA, ModelConfig
 from leanserve.make_random import make_random
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.build import build_model
 from leanserve.model.cache import CacheGeometry
+from leanserve.model.config import CSA, HCA, ModelConfig
 from leanserve.model.loader import load_weights
 
 

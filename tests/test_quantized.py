@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 
 from leanserve import LLM, SamplingParams
 from leanserve.cli import main
-from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig
 from leanserve.model import loader
 from leanserve.model.batch import Chunk
 from leanserve.model.build import build_model
+from leanserve.model.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig
 from leanserve.model.deepseek_v4 import DeepseekV4
 from leanserve.model.loader import CheckpointError, load_weights
 from leanserve.model.quant import Fp4Weight, Fp8Experts, quantize_fp4, quantize_fp8

@@ -108,10 +108,10 @@ def test_published_format_greedy_tokens_equal_transformers(published, tmp_path):
 
 def test_published_format_keeps_the_quality(published):
     # Rounding the linears to FP8 and the experts to FP4 (power-of-two scales) costs the model almost nothing on
-    # held-out code: next-token top-1 within half a point, the loss within 0.02 nats (the README has the figures
+    # held-out code: next-token top-1 within half a point, the loss within 0.02 nats (docs/checkpoints.md has the figures
     # on all the held-out tokens).
-    from leanserve.train import data
-    from leanserve.train.evaluate import evaluate
+    from train import data
+    from train.evaluate import evaluate
 
     corpus = data.load_corpus()
     plain, quantized = (evaluate(m, corpus, max_tokens=8192, dtype="float32") for m in (MODEL, published))

@@ -12,11 +12,11 @@ import torch
 
 from leanserve import LLM, SamplingParams
 from leanserve.cli import main
-from leanserve.config import ConfigError
 from leanserve.engine.proposers import NgramProposer, Proposer
 from leanserve.engine.runner import SampleSpec, StepPlan
 from leanserve.engine.sampler import STREAM_DRAFT, Sampler, _exponentials
 from leanserve.model.batch import Chunk, build_forward_batch
+from leanserve.model.config import ConfigError
 
 SHIPPED = Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-8m"
 CODE_PROMPTS = [

@@ -20,10 +20,10 @@ import torch
 
 from leanserve import LLM, SamplingParams, StructuredOutput
 from leanserve.chat.dsml import THINK_END, parse
-from leanserve.config import ModelConfig
 from leanserve.engine.grammar import GrammarState, compile_structured
 from leanserve.engine.runner import SampleSpec, StepPlan
 from leanserve.engine.sequence import SampledToken
+from leanserve.model.config import ModelConfig
 from leanserve.structured import Matcher
 from leanserve.tokenizer import Tokenizer
 

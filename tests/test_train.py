@@ -1,4 +1,4 @@
-"""The training tooling (leanserve.train): bad input is refused before any training, a tiny run writes a model
+"""The training tooling (train): bad input is refused before any training, a tiny run writes a model
 directory leanserve loads and generates from, and a run is a pure function of its seed."""
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from safetensors import safe_open
 import card  # scripts/card.py: conftest puts scripts/ on sys.path
 from card import card_main
 from leanserve import LLM, SamplingParams
-from leanserve.config import ConfigError
+from leanserve.model.config import ConfigError
 from leanserve.model.torch_math import mhc
-from leanserve.train import data
-from leanserve.train import forward as fwd
-from leanserve.train.architecture import model_config, new_model
-from leanserve.train.evaluate import eval_main, evaluate
-from leanserve.train.forward import check_parity
-from leanserve.train.trainer import TrainConfig, train, train_main
+from train import data
+from train import forward as fwd
+from train.architecture import model_config, new_model
+from train.evaluate import eval_main, evaluate
+from train.forward import check_parity
+from train.trainer import TrainConfig, train, train_main
 
 # Every path (sliding / CSA / HCA, hash and top-k MoE, an indexer that selects 4 of up to 16 rows), tiny.
 TINY_MODEL = dict(
@@ -387,7 +387,7 @@ def test_a_repeated_span_is_counted_where_it_recurs():
 # --- MTP self-distillation -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory, trained, corpus_dir) -> tuple[Path, dict]:
-    from leanserve.train.distill import DistillConfig, distill
+    from train.distill import DistillConfig, distill
 
     out = tmp_path_factory.mktemp("distilled")
     dc = DistillConfig(
@@ -428,7 +428,7 @@ def test_distillation_fits_the_mtp_layer_to_the_trunk_and_leaves_the_trunk_alone
 def test_distillation_refuses_bad_input_before_any_work(trained, corpus_dir, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
-    from leanserve.train.distill import distill_main
+    from train.distill import distill_main
 
     base = ["--corpus", str(corpus_dir), "--out", str(tmp_path / "out"), "--threads", "1"]
     no_mtp = tmp_path / "no_mtp"

@@ -1,4 +1,4 @@
-"""The repetition fine-tune (leanserve.train.unlikelihood): what it penalises, that it makes a model's greedy
+"""The repetition fine-tune (train.unlikelihood): what it penalises, that it makes a model's greedy
 text repeat less while only the trunk moves, and that bad input is refused before any work."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from safetensors.torch import load_file
 
 from card import card_main
 from leanserve import LLM, SamplingParams
-from leanserve.config import ModelConfig
 from leanserve.model.build import build_model
+from leanserve.model.config import ModelConfig
 from leanserve.model.loader import load_weights
-from leanserve.train.forward import make_ctx, trunk_forward
-from leanserve.train.trainer import train
-from leanserve.train.unlikelihood import (
+from test_train import tiny_config, write_corpus
+from train.forward import make_ctx, trunk_forward
+from train.trainer import train
+from train.unlikelihood import (
     Pool,
     UnlikelihoodConfig,
     repeated_ngram_mask,
@@ -26,7 +27,6 @@ from leanserve.train.unlikelihood import (
     unlikelihood_loss,
     unlikelihood_main,
 )
-from test_train import tiny_config, write_corpus
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import torch
 numba = pytest.importorskip("numba")
 
 from leanserve import LLM, SamplingParams  # noqa: E402
-from leanserve.config import CSA, ModelConfig  # noqa: E402
 from leanserve.model import batch  # noqa: E402
 from leanserve.model.backends.cpu import kernels as cpu_kernels  # noqa: E402
+from leanserve.model.config import CSA, ModelConfig  # noqa: E402
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-12l"
 

@@ -226,7 +226,7 @@ def _tokenizer_config(src: Path, tokenizer, config: dict) -> dict:
 
 def _check_loadable(dst: Path) -> None:
     """leanserve's loader accepts the result (headers only, on the meta device): every tensor fits the new config."""
-    from leanserve.config import ModelConfig
+    from leanserve.model.config import ModelConfig
     from leanserve.model.deepseek_v4 import DeepseekV4
     from leanserve.model.loader import check_checkpoint, has_mtp_weights
 

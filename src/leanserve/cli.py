@@ -22,7 +22,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         "--pipeline-layer-counts",
         type=int_list,
         default=None,
-        help="layers per stage, e.g. 3,2,2 (default: even split)",
+        help="layers per stage, e.g. 3,2,2 (default: balanced by the bytes each layer reads per step)",
     )
     p.add_argument(
         "--no-pipeline-overlap",

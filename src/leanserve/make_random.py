@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig, RopeConfig
 from leanserve.model.build import build_model
+from leanserve.model.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig, RopeConfig
 from leanserve.model.deepseek_v4 import DeepseekV4
 from leanserve.model.layers import RMSNorm
 from leanserve.model.loader import save_checkpoint

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from leanserve.config import ConfigError, ModelConfig
 from leanserve.engine.config import EngineConfig
 from leanserve.engine.llm_engine import check_speculative
 from leanserve.engine.runner import StageRunner
 from leanserve.engine.topology import PipelineTopology
 from leanserve.memory import StageMemory
+from leanserve.model.config import ConfigError, ModelConfig
 
 SHIPPED_CONFIGS = ("deepseek-v4-flash", "deepseek-v4-pro")
 

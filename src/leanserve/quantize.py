@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig, Quantization
 from leanserve.model.build import build_model
+from leanserve.model.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig, Quantization
 from leanserve.model.deepseek_v4 import DeepseekV4
 from leanserve.model.loader import checkpoint_dtype, has_mtp_weights, load_weights, write_safetensors
 from leanserve.model.quant import FP4_GROUP, quantize_fp4, quantize_fp8

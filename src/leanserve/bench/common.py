@@ -66,11 +66,11 @@ def mtp_runner(
     model: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, dtype: str = "auto", k: int = 1
 ):
     """A one-stage runner of `model` with the MTP drafter (`k` drafts), for timing its parts directly."""
-    from leanserve.config import ModelConfig
     from leanserve.engine.config import EngineConfig
     from leanserve.engine.llm_engine import check_speculative, resolve_dtype
     from leanserve.engine.runner import StageRunner
     from leanserve.engine.topology import PipelineTopology
+    from leanserve.model.config import ModelConfig
 
     cfg = ModelConfig.from_hf(model)
     config = EngineConfig(

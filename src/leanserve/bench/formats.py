@@ -28,7 +28,7 @@ import torch
 
 from leanserve.bench.common import print_rows
 from leanserve.bench.options import add_output, add_threads, int_list
-from leanserve.config import CSA, HCA, MOE, ModelConfig
+from leanserve.model.config import CSA, HCA, MOE, ModelConfig
 
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v4-flash.json"
 FORMATS = ("bf16", "published")

@@ -1,6 +1,6 @@
 """Prompts from held-out code: the `.py` files of a corpus (by default this Python's standard library) split into
 train / held-out BY FILE, by a hash of each file's path. The shipped models trained only on the train files, so
-the benchmarks prompt with held-out ones; leanserve.train.data reads its corpus with the same functions."""
+the benchmarks prompt with held-out ones; train.data reads its corpus with the same functions."""
 
 from __future__ import annotations
 

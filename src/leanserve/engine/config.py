@@ -1,7 +1,7 @@
 """The engine's own configuration: `EngineConfig` (what `LLM(model, **options)` and the CLI's engine options
 set) and `SpeculativeConfig` (its `speculative_config`), each checked once when it is made.
 
-The model's configuration (`ModelConfig`, read from a checkpoint's config.json) is leanserve/config.py's.
+The model's configuration (`ModelConfig`, read from a checkpoint's config.json) is model/config.py's.
 """
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from leanserve.config import BACKENDS, ConfigError, ModelConfig
+from leanserve.model.config import ConfigError, ModelConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# model/backends/REGISTRY's names; "auto" takes the first that can run the stage (the CPU kernels where they run)
+BACKENDS = ("auto", "cpu", "torch")
 
 
 SPEC_METHODS = ("mtp", "ngram", "draft_model")
@@ -113,7 +115,7 @@ class EngineConfig:
     device                  where the model runs (cpu, cuda, cuda:1, ...)
     pipeline_parallel_size  N > 1 runs the model as N stage processes (the caller is stage 0; the others are
                             spawned, or are the other ranks under torchrun)
-    pipeline_layer_counts   layers per stage, first to last (a list or tuple; None: an even split)
+    pipeline_layer_counts   layers per stage, first to last (a list or tuple; None: balanced by the bytes each layer reads per step)
     pipeline_overlap        with N stages, N micro-batches in flight (False: one step at a time)
     speculative_config      a SpeculativeConfig, its dict or JSON, e.g. {"method": "mtp", "num_speculative_tokens": 1}
     backend                 the model's math: auto, torch or cpu (model/backend.py)

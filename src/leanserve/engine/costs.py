@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from leanserve.config import ModelConfig
+from leanserve.model.config import ModelConfig
 
 
 def token_read_bytes(cfg: ModelConfig, tokens: int = 1, with_mtp: bool = False) -> dict[str, float]:

@@ -39,7 +39,7 @@ from functools import lru_cache
 
 import torch
 
-from leanserve.config import ModelConfig
+from leanserve.model.config import ModelConfig
 from leanserve.sampling_params import StructuredOutput
 from leanserve.structured import Grammar, GrammarCompiler, Matcher, fill_masks, refused_tokens
 from leanserve.tokenizer import Tokenizer, generation_eos_ids

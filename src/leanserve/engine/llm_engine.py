@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from leanserve.config import ConfigError, ModelConfig
 from leanserve.engine.config import EngineConfig, SpeculativeConfig
 from leanserve.engine.grammar import compile_structured, grammar_compiler
 from leanserve.engine.pipeline import LaunchSpec, PipelineDriver, in_torchrun, serve_torchrun_stage, torchrun_rank
@@ -22,6 +21,7 @@ from leanserve.engine.sequence import Sequence
 from leanserve.engine.topology import PipelineTopology
 from leanserve.memory import StageMemory, format_bytes, format_table, format_weights
 from leanserve.model.backends.cpu import kernels as cpu_kernels
+from leanserve.model.config import ConfigError, ModelConfig
 from leanserve.model.loader import checkpoint_dtype, has_mtp_weights
 from leanserve.sampling_params import SamplingParams
 from leanserve.tokenizer import Tokenizer, generation_eos_ids

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from leanserve.config import ModelConfig
 from leanserve.engine.channel import Channel, Links, PipeChannel
 from leanserve.engine.config import EngineConfig
 from leanserve.engine.runner import IntermediateStreams, SeqOutput, StageInfo, StageRunner, StepPlan
 from leanserve.engine.topology import PipelineTopology
 from leanserve.errors import StageFailure
+from leanserve.model.config import ModelConfig
 
 logger = logging.getLogger("leanserve")
 

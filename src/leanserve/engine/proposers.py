@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from leanserve.config import ModelConfig
 from leanserve.engine.config import SpeculativeConfig
 from leanserve.engine.penalties import biased
 from leanserve.engine.sampler import STREAM_DRAFT, Sampler, _is_greedy
@@ -34,6 +33,7 @@ from leanserve.memory import MemoryLedger
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.build import build_model
 from leanserve.model.cache import CacheGeometry
+from leanserve.model.config import ModelConfig
 from leanserve.model.deepseek_v4 import DeepseekV4
 from leanserve.model.loader import load_weights
 from leanserve.sampling_params import SamplingParams

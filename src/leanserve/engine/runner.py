@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from leanserve.config import ModelConfig
 from leanserve.engine.config import EngineConfig
 from leanserve.engine.grammar import GrammarState
 from leanserve.engine.penalties import PenaltyState
@@ -22,6 +21,7 @@ from leanserve.memory import PIPELINE, SPEC_DRAFT, SPEC_MTP, MemoryLedger, Stage
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.build import build_model
 from leanserve.model.cache import CacheGeometry
+from leanserve.model.config import ModelConfig
 from leanserve.model.deepseek_v4 import StageLayout
 from leanserve.model.loader import load_weights
 from leanserve.sampling_params import SamplingParams
@@ -214,9 +214,9 @@ class StageRunner:
           - a one-token decode step (the decode path), and with speculation a verification-sized step too.
         They write positions of slot 0, which no sequence has committed yet (a request's prefill overwrites
         them). Each chunk fits max_num_batched_tokens; all of them fit max_model_len, shortening the first."""
-        from leanserve.config import CSA
         from leanserve.model.backends.cpu import kernels as cpu_kernels
         from leanserve.model.batch import PREFILL_BLOCK
+        from leanserve.model.config import CSA
 
         if torch.device(self.device).type == "cpu" and not cpu_kernels.compiled_before():
             logging.getLogger("leanserve").info(

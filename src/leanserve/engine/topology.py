@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from leanserve.config import ConfigError, ModelConfig
 from leanserve.engine.costs import stage_costs
+from leanserve.model.config import ConfigError, ModelConfig
 from leanserve.model.deepseek_v4 import StageLayout
 
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from leanserve.config import CSA, SLIDING, ModelConfig
 from leanserve.model.compressor import Compressor, Indexer
+from leanserve.model.config import CSA, SLIDING, ModelConfig
 from leanserve.model.layers import Linear, RMSNorm, UsesBackend, fp32_param
 from leanserve.model.weights import AttentionWeights
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from leanserve.config import CSA
 from leanserve.model.backends.cpu import kernels as cpu_kernels
 from leanserve.model.cache import CacheGeometry
+from leanserve.model.config import CSA
 
 PREFILL_BLOCK = 64  # queries per attention block for long chunks
 

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from leanserve.config import ModelConfig
 from leanserve.model.attention import Attention
+from leanserve.model.config import ModelConfig
 from leanserve.model.layers import RMSNorm, UsesBackend, fp32_param
 from leanserve.model.moe import MoE
 from leanserve.model.weights import BlockWeights, MixWeights

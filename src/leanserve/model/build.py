@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from leanserve.config import ModelConfig
 from leanserve.model.backends import select_backend
+from leanserve.model.config import ModelConfig
 from leanserve.model.deepseek_v4 import DeepseekV4, StageLayout
 from leanserve.model.layers import Rotary, set_backend
 from leanserve.model.loader import check_checkpoint

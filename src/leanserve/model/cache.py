@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from leanserve.config import CSA, HCA, SLIDING, ModelConfig
 from leanserve.memory import MemoryLedger
+from leanserve.model.config import CSA, HCA, SLIDING, ModelConfig
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from leanserve.config import SLIDING, ModelConfig
 from leanserve.memory import KV_CACHE, ROPE, SPEC_MTP, MemoryLedger
 from leanserve.model.block import Block
 from leanserve.model.cache import CacheGeometry, LayerCache, allocate_layer_cache
+from leanserve.model.config import SLIDING, ModelConfig
 from leanserve.model.layers import Embedding, Linear, RMSNorm, Rotary, UsesBackend, fp32_param
 from leanserve.model.mtp import MTPBlock
 from leanserve.model.weights import MixWeights, MTPWeights, RopeTables, StageWeights

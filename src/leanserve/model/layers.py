@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leanserve.config import RopeConfig
 from leanserve.model.backends.torch import TORCH, TorchBackend
+from leanserve.model.config import RopeConfig
 from leanserve.model.quant import FP8_BLOCK, Fp8Weight
 
 

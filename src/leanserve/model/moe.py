@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from leanserve.config import HASH_MOE, ModelConfig
+from leanserve.model.config import HASH_MOE, ModelConfig
 from leanserve.model.layers import Linear, UsesBackend, fp32_param
 from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts
 from leanserve.model.weights import MoEWeights

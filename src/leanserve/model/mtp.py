@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from leanserve.config import MOE, SLIDING, ModelConfig
 from leanserve.model.block import Block
+from leanserve.model.config import MOE, SLIDING, ModelConfig
 from leanserve.model.layers import Linear, RMSNorm, fp32_param
 from leanserve.model.weights import MixWeights, MTPWeights, RopeTables
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from leanserve.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig, RopeConfig
 from leanserve.model.build import build_model
+from leanserve.model.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig, RopeConfig
 from leanserve.model.deepseek_v4 import DeepseekV4
 from leanserve.model.layers import RMSNorm
-from leanserve.train import data as data_mod
+from train import data as data_mod
 
 # The default shipped model (models/dsv4-stdlib-12l): 12 blocks, so that the MTP layer is one block of 13 as
 # in DeepSeek-V4 it is one of 44; every attention kind and both MoE kinds, windows and compression rates small

@@ -33,12 +33,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from leanserve.config import ModelConfig
-from leanserve.train import data as data_mod
-from leanserve.train.architecture import check_trainable
-from leanserve.train.evaluate import evaluate, format_eval, greedy_acceptance
-from leanserve.train.forward import indexer_loss, make_ctx, trunk_forward
-from leanserve.train.stage_dir import (
+from leanserve.model.config import ModelConfig
+from train import data as data_mod
+from train.architecture import check_trainable
+from train.evaluate import evaluate, format_eval, greedy_acceptance
+from train.forward import indexer_loss, make_ctx, trunk_forward
+from train.stage_dir import (
     add_stage_arguments,
     check_model_dir,
     finish_stage,
@@ -46,7 +46,7 @@ from leanserve.train.stage_dir import (
     stage_main,
     staged_output,
 )
-from leanserve.train.trainer import check_fields, lr_at
+from train.trainer import check_fields, lr_at
 
 LOG = "unlikelihood_log.jsonl"
 

@@ -364,9 +364,6 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-BACKENDS = ("auto", "torch", "cpu")  # see model/backend.py: "auto" takes the CPU kernels where they run
-
-
 def _num(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{name} must be a number, got {value!r}.")

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from leanserve.config import ConfigError
+from leanserve.model.config import ConfigError
 
 SUMMARY = "train_summary.json"
 
@@ -66,7 +66,7 @@ def finish_stage(
     """Writes the stage's per-step log, its held-out figures after (`measure(tmp)`, when given: the figures of the
     model as `out` will hold it) and its record under `key` of the summary (whose "heldout" becomes the figures
     after); returns the record."""
-    from leanserve.train.evaluate import format_eval
+    from train.evaluate import format_eval
 
     (tmp / log_name).write_text("".join(json.dumps(r) + "\n" for r in log_records))
     after = None
@@ -89,7 +89,7 @@ def finish_stage(
 # --- the command lines (scripts/distill_mtp.py, scripts/unlikelihood.py) -----------------------------------------
 def add_stage_arguments(p, d, model_help: str) -> None:
     """The options every stage takes, with the defaults of its config `d`; the stage adds its own."""
-    from leanserve.train.data import CORPUS_HELP
+    from train.data import CORPUS_HELP
 
     p.add_argument("--model", required=True, help=model_help)
     p.add_argument("--out", required=True, help="output model directory (may be --model itself)")

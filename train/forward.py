@@ -37,10 +37,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from leanserve.config import CSA, HCA
 from leanserve.model.backends.torch import TorchBackend
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.cache import CacheGeometry
+from leanserve.model.config import CSA, HCA
 from leanserve.model.deepseek_v4 import DeepseekV4
 from leanserve.model.torch_math import mhc
 from leanserve.model.torch_math.attention import attend_scores, output, queries_kv, scores

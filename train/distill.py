@@ -1,7 +1,7 @@
 """Self-distillation of a trained model's MTP layer (scripts/distill_mtp.py).
 
 A one-token MTP draft is accepted by greedy verification when the MTP layer's argmax at position t equals the
-trunk's argmax at t+1. Joint training (leanserve.train.trainer) fits the MTP layer to the data's token t+2;
+trunk's argmax at t+1. Joint training (train.trainer) fits the MTP layer to the data's token t+2;
 here it is fitted to the trunk's own next-token distribution one position on, which is what verification
 accepts:
 
@@ -9,7 +9,7 @@ accepts:
 
 The trunk is frozen (no gradient, no router balancing) and only `mtp.*` parameters learn, so the written
 checkpoint's trunk tensors are byte-identical to the input's (checked before anything is written) and plain
-decoding's tokens do not change. The held-out figures before and after (leanserve.train.evaluate) go into
+decoding's tokens do not change. The held-out figures before and after (train.evaluate) go into
 train_summary.json under "mtp_distill", with the run's settings; the per-step log is distill_log.jsonl.
 """
 
@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from leanserve.config import ConfigError, ModelConfig
-from leanserve.train import data as data_mod
-from leanserve.train.architecture import check_trainable
-from leanserve.train.evaluate import evaluate, format_eval
-from leanserve.train.forward import check_parity, make_ctx, mtp_forward, trunk_forward
-from leanserve.train.stage_dir import (
+from leanserve.model.config import ConfigError, ModelConfig
+from train import data as data_mod
+from train.architecture import check_trainable
+from train.evaluate import evaluate, format_eval
+from train.forward import check_parity, make_ctx, mtp_forward, trunk_forward
+from train.stage_dir import (
     add_stage_arguments,
     check_model_dir,
     finish_stage,
@@ -38,7 +38,7 @@ from leanserve.train.stage_dir import (
     stage_main,
     staged_output,
 )
-from leanserve.train.trainer import check_fields, lr_at
+from train.trainer import check_fields, lr_at
 
 LOG = "distill_log.jsonl"
 

@@ -1,10 +1,10 @@
 """Training a small DeepSeek-V4-architecture model and its MTP layer, jointly, DeepSeek-style (the math is in
-`leanserve.train.forward`): the run's configuration, the learning-rate schedule, the optimizer, the loop that
+`train.forward`): the run's configuration, the learning-rate schedule, the optimizer, the loop that
 writes the model directory, and `train_main` (scripts/train_small.py).
 
 Every step: AdamW on  CE(trunk, t+1) + w_mtp * CE(MTP, t+2) + w_indexer * indexer KL,  then the routers'
 auxiliary-loss-free bias update. The model directory is saved every few minutes and at the end, and the
-held-out figures (`leanserve.train.evaluate`) are computed through leanserve's inference path.
+held-out figures (`train.evaluate`) are computed through leanserve's inference path.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from leanserve.model.deepseek_v4 import DeepseekV4
-from leanserve.train import data as data_mod
-from leanserve.train.architecture import check_trainable, model_config, new_model
-from leanserve.train.evaluate import evaluate, format_eval
-from leanserve.train.forward import balance_routers_, check_parity, compute_losses, make_ctx
+from train import data as data_mod
+from train.architecture import check_trainable, model_config, new_model
+from train.evaluate import evaluate, format_eval
+from train.forward import balance_routers_, check_parity, compute_losses, make_ctx
 
 
 # --- the training run -----------------------------------------------------------------------------------

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from leanserve.config import ModelConfig
 from leanserve.model.build import build_model
-from leanserve.train import data as data_mod
-from leanserve.train.forward import inference_logits
+from leanserve.model.config import ModelConfig
+from train import data as data_mod
+from train.forward import inference_logits
 
 
 @torch.no_grad()
