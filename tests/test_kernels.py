@@ -590,10 +590,14 @@ def test_index_select_matches_torch_with_ties():
     visible = torch.tensor([[12, 4, 9], [11, 12, 0]])
     group = SimpleNamespace(gather=lambda x: x[q_rows], block_slot=slot)
     mask = (torch.arange(n) < visible[..., None]) & q_valid[..., None]
-    ref = index_select(indexer.weights(), (q, head_w), group, keys, mask)
+    ref = index_select(indexer.weights(), (q, head_w), group, keys[slot], mask)
+    # The kernel reads the rows from a paged pool (blocks of 4 rows, scattered by the block table).
+    table = torch.randperm(9, generator=gen).view(3, 3).to(torch.int32)
+    pool = torch.empty(9, 4, dim)
+    pool[table.flatten().long()] = keys.view(9, 4, dim)
     fast = torch.from_numpy(np.empty((2, 3, n), dtype=np.bool_))
-    cpu_kernels.index_select(q_rows.shape[0], q.numpy(), head_w.numpy(), q_rows.numpy(), q_valid.numpy(), slot.numpy(), keys.numpy(),
-                             visible.numpy(), topk, dim**-0.5, fast.numpy())  # fmt: skip
+    cpu_kernels.index_select(q_rows.shape[0], q.numpy(), head_w.numpy(), q_rows.numpy(), q_valid.numpy(), slot.numpy(),
+                             table.numpy(), pool.numpy(), visible.numpy(), topk, dim**-0.5, fast.numpy())  # fmt: skip
     assert torch.equal(fast, ref)
     assert int(fast[0, 0].sum()) == topk and int(fast[0, 1].sum()) == 4
 

@@ -36,6 +36,18 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="bytes of paged cache per stage, e.g. 20GiB (default: what --max-num-seqs sequences of "
+        "--max-model-len take, at most half the memory free at start-up)",
+    )
+    p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=None,
+        help="tokens per cache block, a multiple of the compression rates (default: 256, rounded up to one)",
+    )
+    p.add_argument(
         "--backend",
         default="auto",
         choices=["auto", "torch", "cpu"],
@@ -189,32 +201,34 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "backend": args.backend,
     }
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_block_size"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     return kwargs
 
 
 def _memory(args: argparse.Namespace) -> int:
+    from leanserve.engine.kv_budget import format_kv_summary
     from leanserve.memory import format_table
 
     if args.plan:
-        from leanserve.plan import plan_memory
+        from leanserve.plan import plan_deployment
 
         source = args.config or args.model
         kwargs = _engine_kwargs(args)
-        stages = plan_memory(source, dtype=args.dtype or "bfloat16", **kwargs)
+        stages, cache = plan_deployment(source, dtype=args.dtype or "bfloat16", **kwargs)
     else:
         if args.config:
             raise ValueError("--config needs --plan (a config alone has no weights to load); use --model DIR.")
         from leanserve import LLM
 
         with LLM(model=args.model, dtype=args.dtype or "auto", load_progress=False, **_engine_kwargs(args)) as llm:
-            stages = llm.memory_ledger()
+            stages, cache = llm.memory_ledger(), llm.engine.kv_summary()
     if args.output == "json":
-        print(json.dumps({"stages": [s.to_dict() for s in stages]}))
+        print(json.dumps({"stages": [s.to_dict() for s in stages], "kv_cache": cache}))
     else:
         print(format_table(stages))
+        print(format_kv_summary(cache))
     return 0
 
 

@@ -45,6 +45,10 @@ class LLM:
         acceptance_rate and mean_acceptance_length (1 + accepted tokens per draft). Zeros without speculation."""
         return self.engine.spec_decode_metrics()
 
+    def cache_stats(self) -> dict:
+        """The paged cache now: block_tokens, num_blocks, blocks_used, blocks_free, and num_preemptions so far."""
+        return self.engine.cache_stats()
+
     def shutdown(self) -> None:
         """Stops the pipeline stage processes (if any). The LLM cannot generate afterwards."""
         self.engine.shutdown()

@@ -168,6 +168,33 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(value: int | str, name: str) -> int:
+    """A size in bytes from an int or a string such as "20GiB", "512 MiB", "1.5GB" or "4096"; ValueError naming
+    `name` when it is not one, or is negative."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{name} must be a size in bytes such as 20GiB, got {value!r}.")
+    if isinstance(value, int):
+        n = value
+    else:
+        text = value.strip().lower().replace(" ", "")
+        digits = text.rstrip("kmgtib")
+        unit = text[len(digits) :]
+        try:
+            number = float(digits)
+        except ValueError:
+            number = None
+        if number is None or unit not in _UNITS or number != number:
+            raise ValueError(f"{name} must be a size in bytes such as 20GiB, got {value!r}.")
+        n = int(number * _UNITS[unit])
+    if n < 0:
+        raise ValueError(f"{name} must not be negative, got {value!r}.")
+    return n
+
+
 def format_table(stages: list[StageMemory]) -> str:
     """A readable table: per stage, its weights (in total, then by format: scales counted with their fp8 / fp4
     values), then one row per buffer, then a per-feature summary; with more than one stage, the total."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from leanserve.engine.config import EngineConfig
+from leanserve.engine.kv_budget import kv_summary, plan_kv, window_bytes
 from leanserve.engine.llm_engine import check_speculative
 from leanserve.engine.runner import StageRunner
 from leanserve.engine.topology import PipelineTopology
@@ -41,7 +42,13 @@ def load_config(source: str) -> ModelConfig:
 def plan_memory(source: str, dtype: str = "bfloat16", **engine_kwargs) -> list[StageMemory]:
     """The per-stage ledger for `source` under the engine options in engine_kwargs (EngineConfig's fields:
     pipeline_parallel_size, pipeline_layer_counts, speculative_config, max_model_len, max_num_seqs,
-    max_num_batched_tokens)."""
+    max_num_batched_tokens, kv_cache_memory, kv_block_size)."""
+    return plan_deployment(source, dtype, **engine_kwargs)[0]
+
+
+def plan_deployment(source: str, dtype: str = "bfloat16", **engine_kwargs) -> tuple[list[StageMemory], dict]:
+    """plan_memory's ledger and the paged cache's summary (engine/kv_budget.py: kv_summary). The default cache
+    budget is planned without the cap by this machine's free memory (the plan is for another machine)."""
     cfg = load_config(source)
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
     config = EngineConfig(model=source, dtype=dtype, **engine_kwargs)
@@ -49,7 +56,13 @@ def plan_memory(source: str, dtype: str = "bfloat16", **engine_kwargs) -> list[S
     check_speculative(config.speculative_config, cfg, source, weights=False)
     torch_dtype = getattr(torch, cfg.torch_dtype if dtype == "auto" else dtype)
     max_len = config.resolved_max_model_len(cfg)
-    return [
-        StageRunner(cfg, config, topology.layout(i), torch_dtype, max_len, device="meta").memory
+    itemsize = torch_dtype.itemsize  # (the planned caches' dtype: the meta stages allocate them in it)
+    kv = plan_kv(cfg, config, topology, max_len, itemsize)
+    stages = [
+        StageRunner(
+            cfg, config, topology.layout(i), torch_dtype, max_len, device="meta", num_blocks=kv.num_blocks
+        ).memory
         for i in range(topology.num_stages)
     ]
+    summary = kv_summary(cfg, topology, kv, itemsize, max_len, config.max_num_seqs, window_bytes(stages))
+    return stages, summary

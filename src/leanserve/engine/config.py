@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from leanserve.memory import parse_bytes
 from leanserve.model.config import ConfigError, ModelConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -119,6 +120,11 @@ class EngineConfig:
     pipeline_overlap        with N stages, N micro-batches in flight (False: one step at a time)
     speculative_config      a SpeculativeConfig, its dict or JSON, e.g. {"method": "mtp", "num_speculative_tokens": 1}
     backend                 the model's math: auto, torch or cpu (model/backend.py)
+    kv_cache_memory         bytes of paged cache each stage holds for its layers: an int or a size such as
+                            "20GiB" (None: what max_num_seqs sequences of max_model_len take, at most half the
+                            memory free when the engine starts; docs/memory.md)
+    kv_block_size           tokens per cache block, a multiple of the model's compression rates (None: 256,
+                            rounded up to one)
     """
 
     model: str
@@ -136,6 +142,8 @@ class EngineConfig:
     pipeline_overlap: bool = True
     speculative_config: SpeculativeConfig | None = None
     backend: str = "auto"  # which statement of the model's math each stage runs (model/backend.py)
+    kv_cache_memory: int | str | None = None
+    kv_block_size: int | None = None
 
     def __post_init__(self) -> None:
         pp = self.pipeline_parallel_size
@@ -158,6 +166,14 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}.")
+        if self.kv_cache_memory is not None:
+            try:
+                object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory"))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        size = self.kv_block_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ConfigError(f"kv_block_size must be a positive integer, got {size!r}.")
 
     @property
     def micro_batches(self) -> int:

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import torch
 
+from leanserve.engine.blocks import BlockPool
 from leanserve.engine.config import EngineConfig, SpeculativeConfig
 from leanserve.engine.grammar import compile_structured, grammar_compiler
+from leanserve.engine.kv_budget import available_memory, cache_dtype, kv_summary, plan_kv, window_bytes
 from leanserve.engine.pipeline import LaunchSpec, PipelineDriver, in_torchrun, serve_torchrun_stage, torchrun_rank
 from leanserve.engine.proposers import NgramProposer, Proposer
 from leanserve.engine.runner import SeqOutput, StageRunner, StepPlan
@@ -99,13 +101,23 @@ class LLMEngine:
         check_speculative(config.speculative_config, cfg, config.model)
         self.max_model_len = config.resolved_max_model_len(cfg)
         self.dtype = resolve_dtype(config.dtype, config.model)
+        itemsize = cache_dtype(config, self.dtype).itemsize
+        self.kv = plan_kv(cfg, config, self.topology, self.max_model_len, itemsize, available_memory(config.device))
+        if self.kv.capped:
+            logger.info(
+                "paged cache: %s (half the memory free now; kv_cache_memory sets it), %d blocks of %d tokens",
+                format_bytes(self.kv.budget), self.kv.num_blocks, self.kv.block_tokens,
+            )  # fmt: skip
         if self.topology.num_stages > 1 and in_torchrun() and torchrun_rank() != 0:
             # Under torchrun every rank runs the caller's program; ranks other than 0 serve their stage here.
             raise SystemExit(serve_torchrun_stage())
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.eos_token_ids = generation_eos_ids(config.model) or cfg.eos_token_ids
         if self.topology.num_stages == 1:
-            runner = StageRunner(cfg, config, self.topology.layout(0), self.dtype, self.max_model_len, progress)
+            runner = StageRunner(
+                cfg, config, self.topology.layout(0), self.dtype, self.max_model_len, progress,
+                num_blocks=self.kv.num_blocks,
+            )  # fmt: skip
             runner.warmup()
             self.executor: LocalExecutor | PipelineDriver = LocalExecutor(runner)
         else:
@@ -115,8 +127,9 @@ class LLMEngine:
                 torch.set_num_threads(threads)
                 cpu_kernels.limit_threads(threads)
             spec = LaunchSpec(
-                config, cfg, self.topology, str(self.dtype).removeprefix("torch."), self.max_model_len, threads
-            )
+                config, cfg, self.topology, str(self.dtype).removeprefix("torch."), self.max_model_len, threads,
+                self.kv.num_blocks,
+            )  # fmt: skip
             try:
                 self.executor = PipelineDriver(spec, progress)
             except BaseException:
@@ -131,7 +144,10 @@ class LLMEngine:
                 format_weights(m.weights_by_format), format_bytes(m.buffers_bytes), by_feature,
             )  # fmt: skip
         logger.debug("memory ledger:\n%s", format_table(self.memory_ledger()))
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            BlockPool(self.kv.num_blocks, self.kv.block_tokens),
+        )  # fmt: skip
         # Micro-batches launched and not yet updated, oldest first: one per stage with pipeline overlap.
         self.micro_batches = config.micro_batches if self.topology.num_stages > 1 else 1
         self._in_flight: deque[ScheduledBatch] = deque()
@@ -241,6 +257,22 @@ class LLMEngine:
 
     def spec_decode_metrics(self) -> dict:
         return self.spec_metrics.as_dict()
+
+    def kv_summary(self) -> dict:
+        """The paged cache as `leanserve memory` reports it (engine/kv_budget.py: kv_summary)."""
+        itemsize = cache_dtype(self.config, self.dtype).itemsize
+        cfg, window = self.model_config, window_bytes(self.memory_ledger())
+        return kv_summary(cfg, self.topology, self.kv, itemsize, self.max_model_len, self.config.max_num_seqs, window)
+
+    def cache_stats(self) -> dict:
+        pool = self.scheduler.blocks
+        return {
+            "block_tokens": pool.block_tokens,
+            "num_blocks": pool.num_blocks,
+            "blocks_used": pool.num_used,
+            "blocks_free": pool.num_free,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
 
 
 def check_speculative(spec: SpeculativeConfig | None, cfg: ModelConfig, model_dir: str, weights: bool = True) -> None:

@@ -16,6 +16,8 @@ request has penalties:
   - a named slot's rows are reset by its sequence's first chunk (start 0), the mask takes every chunk's fed
     tokens (the prompt, chunk by chunk as it is prefilled), and both take the tokens this stage emits after
     verification (accepted drafts and the sampled token), so only accepted tokens count;
+  - a preempted request prefills its tokens again in a new slot: the chunks that feed its output tokens again
+    count them too (`StepPlan.penalty_recount`);
   - a verified row j of a sequence with drafts sees its history plus drafts[:j]: what plain decoding sees at
     that position once those drafts are accepted, so speculation gives the tokens it gives without.
 """
@@ -82,9 +84,10 @@ class PenaltyState:
         self.counts: torch.Tensor | None = None  # [slots, vocab] int32: the output's tokens
         self.seen: torch.Tensor | None = None  # [slots, vocab] bool: the prompt's and the output's tokens
 
-    def begin(self, penalty_slots: tuple[int, ...], chunks: Seq[Chunk], samples) -> None:
+    def begin(self, penalty_slots: tuple[int, ...], chunks: Seq[Chunk], samples, recount=()) -> None:
         """Before a step's forward: the buffers made or released as the plan says, the named slots' rows reset
-        by a first chunk and given the chunks' fed tokens (their drafts excluded)."""
+        by a first chunk and given the chunks' fed tokens (their drafts excluded); `recount` (slot, prompt
+        length) pairs: those slots' chunks' fed tokens past the prompt are counted as output too."""
         if not penalty_slots:
             if self.counts is not None:
                 self.ledger.release(COUNTS)
@@ -97,7 +100,8 @@ class PenaltyState:
             self.seen = self.ledger.zeros(SEEN, "sampler", PENALTIES, shape, torch.bool)
         named = set(penalty_slots)
         drafts = {s.slot: len(s.drafts) for s in samples}
-        fresh, slots, tokens = [], [], []
+        prompt_lens = dict(recount)
+        fresh, slots, tokens, out_slots, out_tokens = [], [], [], [], []
         for c in chunks:
             if c.slot not in named:
                 continue
@@ -106,6 +110,10 @@ class PenaltyState:
             fed = c.token_ids[: len(c.token_ids) - drafts.get(c.slot, 0)]
             slots.extend([c.slot] * len(fed))
             tokens.extend(fed)
+            if c.slot in prompt_lens:
+                again = fed[max(0, prompt_lens[c.slot] - c.start) :]
+                out_slots.extend([c.slot] * len(again))
+                out_tokens.extend(again)
         dev = self.counts.device
         if fresh:
             f = torch.tensor(fresh, dtype=torch.long, device=dev)
@@ -113,6 +121,9 @@ class PenaltyState:
             self.seen[f] = False
         if tokens:
             self.seen.index_put_(_index(slots, tokens, dev), torch.tensor(True, device=dev))
+        if out_tokens:
+            ones = torch.ones(len(out_tokens), dtype=torch.int32, device=dev)
+            self.counts.index_put_(_index(out_slots, out_tokens, dev), ones, accumulate=True)
 
     def record(self, samples, emitted: dict[int, tuple]) -> None:
         """After verification: the tokens each sequence with penalties emitted (its accepted drafts and its

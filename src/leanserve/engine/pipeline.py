@@ -59,6 +59,7 @@ class LaunchSpec:
     dtype: str
     max_model_len: int
     num_threads: int
+    num_blocks: int | None = None  # the paged pools' blocks, the same on every stage (engine/kv_budget.py)
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class PipelineDriver:
             self.channel = self._pipes or Channel(store, 0, n, device, _OP_TIMEOUT)
             self.runner = StageRunner(
                 spec.model_config, spec.config, self.topology.layout(0), getattr(torch, spec.dtype),
-                spec.max_model_len, progress=progress, device=device,
+                spec.max_model_len, progress=progress, device=device, num_blocks=spec.num_blocks,
             )  # fmt: skip
             self.runner.warmup()
             self.infos = [self.runner.info()] + [self._expect_info(r) for r in range(1, n)]
@@ -309,7 +310,7 @@ def run_stage(store: dist.Store, rank: int, world: int, links: Links | None = No
     try:
         runner = StageRunner(
             spec.model_config, spec.config, layout, getattr(torch, spec.dtype), spec.max_model_len,
-            progress=False, device=device,
+            progress=False, device=device, num_blocks=spec.num_blocks,
         )  # fmt: skip
         runner.warmup()
     except Exception as e:

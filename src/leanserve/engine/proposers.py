@@ -32,7 +32,7 @@ from leanserve.engine.sampler import STREAM_DRAFT, Sampler, _is_greedy
 from leanserve.memory import MemoryLedger
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.build import build_model
-from leanserve.model.cache import CacheGeometry
+from leanserve.model.cache import BlockTable, CacheGeometry
 from leanserve.model.config import ModelConfig
 from leanserve.model.deepseek_v4 import DeepseekV4
 from leanserve.model.loader import load_weights
@@ -113,11 +113,13 @@ class ModelProposer(Proposer):
 
 
 class MTPProposer(ModelProposer):
-    def __init__(self, model: DeepseekV4, geometry: CacheGeometry, caches, target_hidden: torch.Tensor, **kw):
+    def __init__(
+        self, model: DeepseekV4, geometry: CacheGeometry, caches, target_hidden: torch.Tensor, table: BlockTable, **kw
+    ):
         super().__init__(**kw)
         # The MTP layer is sliding-window attention only: its batches need no compression metadata.
         self.geometry = dataclasses.replace(geometry, compress={})
-        self.model, self.caches, self.target_hidden = model, caches, target_hidden
+        self.model, self.caches, self.target_hidden, self.table = model, caches, target_hidden, table
         self.device = target_hidden.device
 
     def first(self, items, wanted):
@@ -131,7 +133,7 @@ class MTPProposer(ModelProposer):
             offset += n
             last_row[id(it)] = offset - 1
         logits_index = [last_row[id(it)] for it in wanted]
-        fb = build_forward_batch(chunks, self.geometry, logits_index=logits_index, device=self.device)
+        fb = build_forward_batch(chunks, self.geometry, logits_index, self.device, self.table)
         cfg = self.model.cfg
         if rows == list(range(rows[0], rows[0] + len(rows))):  # one chunk (or adjacent ones): a view, no gather
             streams = self.target_hidden[rows[0] : rows[0] + len(rows)]
@@ -144,16 +146,16 @@ class MTPProposer(ModelProposer):
     def next(self, wanted, tokens, j, state, keep):
         # Draft j+1 from the MTP layer's own output streams at the previous position and draft j's embedding.
         chunks = [Chunk(it.slot, it.start + len(it.known) - 2 + j, (t,)) for it, t in zip(wanted, tokens, strict=True)]
-        fb = build_forward_batch(chunks, self.geometry, logits_index=list(range(len(chunks))), device=self.device)
+        fb = build_forward_batch(chunks, self.geometry, list(range(len(chunks))), self.device, self.table)
         out, rows = state
         logits, out = self.model.mtp_forward(out[[rows[i] for i in keep]], fb, self.caches)
         return (out, list(range(len(chunks)))), logits
 
 
 class DraftModelProposer(ModelProposer):
-    def __init__(self, model: DeepseekV4, geometry: CacheGeometry, caches, device: str, **kw):
+    def __init__(self, model: DeepseekV4, geometry: CacheGeometry, caches, device: str, table: BlockTable, **kw):
         super().__init__(**kw)
-        self.model, self.geometry, self.caches, self.device = model, geometry, caches, device
+        self.model, self.geometry, self.caches, self.device, self.table = model, geometry, caches, device, table
 
     @classmethod
     def load(
@@ -177,8 +179,11 @@ class DraftModelProposer(ModelProposer):
         model.register_tables(ledger, prefix="draft.", feature=feature)
         geometry = CacheGeometry.build(cfg, num_slots, max_model_len, spec.num_speculative_tokens)
         caches = model.allocate_cache(geometry, model.act_dtype, ledger, prefix="draft.", feature=feature)
+        # (the draft model's pools have a block for every position of every slot: its table never changes)
+        table = BlockTable.identity_for(geometry)
+        ledger.register("draft.kv_block_table", "draft", feature, table.tensor)
         proposer = cls(
-            model, geometry, caches, device, k=spec.num_speculative_tokens, vocab=cfg.vocab_size,
+            model, geometry, caches, device, table, k=spec.num_speculative_tokens, vocab=cfg.vocab_size,
             num_slots=num_slots, sampler=sampler, ledger=ledger, feature=feature,
         )  # fmt: skip
         return proposer
@@ -192,12 +197,12 @@ class DraftModelProposer(ModelProposer):
             offset += len(known)
             last_row[id(it)] = offset - 1
         logits_index = [last_row[id(it)] for it in wanted]
-        fb = build_forward_batch(chunks, self.geometry, logits_index=logits_index, device=self.device)
+        fb = build_forward_batch(chunks, self.geometry, logits_index, self.device, self.table)
         return None, self.model(fb, self.caches)
 
     def next(self, wanted, tokens, j, state, keep):
         chunks = [Chunk(it.slot, it.start + len(it.known) - 1 + j, (t,)) for it, t in zip(wanted, tokens, strict=True)]
-        fb = build_forward_batch(chunks, self.geometry, logits_index=list(range(len(chunks))), device=self.device)
+        fb = build_forward_batch(chunks, self.geometry, list(range(len(chunks))), self.device, self.table)
         return None, self.model(fb, self.caches)
 
 

@@ -17,10 +17,10 @@ from leanserve.engine.proposers import DraftModelProposer, MTPProposer, ProposeI
 from leanserve.engine.sampler import Sampler, _is_greedy
 from leanserve.engine.scheduler import ScheduledBatch
 from leanserve.engine.sequence import PromptLogprobs, SampledToken, SeqOutput
-from leanserve.memory import PIPELINE, SPEC_DRAFT, SPEC_MTP, MemoryLedger, StageMemory, weights_by_format
+from leanserve.memory import KV_CACHE, PIPELINE, SPEC_DRAFT, SPEC_MTP, MemoryLedger, StageMemory, weights_by_format
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.build import build_model
-from leanserve.model.cache import CacheGeometry
+from leanserve.model.cache import BlockTable, CacheGeometry
 from leanserve.model.config import ModelConfig
 from leanserve.model.deepseek_v4 import StageLayout
 from leanserve.model.loader import load_weights
@@ -88,6 +88,11 @@ class StepPlan:
     # The seq ids of every running request with structured output (in this plan or not): the last stage keeps
     # their grammar matchers while they are named. () when no request has it.
     structured: tuple[int, ...] = ()
+    # (slot, prompt length) of chunks that feed a preempted request's output again (ScheduledBatch's).
+    penalty_recount: tuple[tuple[int, int], ...] = ()
+    # The cache blocks sequences took for this step: (slot, first, blocks) says the slot's blocks first, first + 1,
+    # ... are `blocks` (every stage's block table takes them before the step runs).
+    blocks: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -102,13 +107,14 @@ class StepPlan:
             seq = s.seq
             if seq.params.prompt_logprobs is not None:
                 # Positions [start, end) of this chunk score prompt tokens start+1 .. end (the prompt's last
-                # position predicts the first output token, not a prompt token).
+                # position predicts the first output token, not a prompt token), those not scored already (a
+                # preempted request prefills its prompt again).
                 end = min(s.start + len(s.fed_token_ids), seq.num_prompt_tokens - 1)
-                if end > s.start:
-                    targets = tuple(seq.prompt_token_ids[s.start + 1 : end + 1])
-                    prompt.append(
-                        PromptLogprobSpec(seq.seq_id, offset, s.start + 1, targets, seq.params.prompt_logprobs)
-                    )
+                first = max(s.start, sum(len(p) for p in seq.prompt_logprobs))
+                if end > first:
+                    targets = tuple(seq.prompt_token_ids[first + 1 : end + 1])
+                    row = offset + first - s.start
+                    prompt.append(PromptLogprobSpec(seq.seq_id, row, first + 1, targets, seq.params.prompt_logprobs))
             offset += s.num_tokens
             if s.is_sampled:
                 rows.extend(range(offset - 1 - s.num_drafts, offset))
@@ -119,9 +125,10 @@ class StepPlan:
                 end = s.start + s.num_tokens
                 following = seq.token_ids_between(end, end + 1)
                 next_tokens.append(following[0] if following else SCORE_ONLY)
+        blocks = tuple((s.slot, s.first_block, s.new_blocks) for s in batch.seqs if s.new_blocks)
         return cls(
             tuple(chunks), tuple(rows), tuple(samples), tuple(next_tokens), batch.penalty_slots, tuple(prompt),
-            batch.structured,
+            batch.structured, batch.penalty_recount, blocks,
         )  # fmt: skip
 
 
@@ -144,8 +151,11 @@ class StageRunner:
         max_model_len: int,
         progress: bool = True,
         device: str | None = None,
+        num_blocks: int | None = None,
     ) -> None:
-        """device "meta" builds the stage's shapes without memory or weights (`leanserve memory --plan`)."""
+        """device "meta" builds the stage's shapes without memory or weights (`leanserve memory --plan`).
+        num_blocks: the paged pools' blocks (engine/kv_budget.py; None: room for max_num_seqs sequences of
+        max_model_len, each slot's blocks its own until a plan says otherwise)."""
         self.cfg, self.layout = cfg, layout
         self.device = device = device or config.device
         spec = config.speculative_config
@@ -160,7 +170,12 @@ class StageRunner:
         self.ledger = ledger = MemoryLedger(layout.index, device)
         self.model.register_tables(ledger)
         num_spec = spec.num_speculative_tokens if spec is not None else 0
-        self.geometry = CacheGeometry.build(cfg, config.max_num_seqs, max_model_len, num_spec)
+        self.geometry = geo = CacheGeometry.build(
+            cfg, config.max_num_seqs, max_model_len, num_spec, num_blocks, config.kv_block_size
+        )
+        full = geo.num_slots * geo.max_blocks
+        self.block_table = BlockTable(geo.num_slots, geo.max_blocks, identity=geo.num_blocks == full)
+        ledger.register("kv_block_table", "kv_cache", KV_CACHE, self.block_table.tensor)
         act = self.model.act_dtype  # (float32 on the CPU when the weights are bfloat16: see activation_dtype)
         self.caches = self.model.allocate_cache(self.geometry, act, ledger)
         tokens = config.max_num_batched_tokens
@@ -184,7 +199,7 @@ class StageRunner:
             common = dict(k=num_spec, num_slots=config.max_num_seqs, sampler=self.sampler, ledger=ledger)
             if spec.method == "mtp":
                 self.proposer = MTPProposer(
-                    self.model, self.geometry, self.caches, self.target_hidden, vocab=cfg.vocab_size,
+                    self.model, self.geometry, self.caches, self.target_hidden, self.block_table, vocab=cfg.vocab_size,
                     feature=SPEC_MTP, **common,
                 )  # fmt: skip
             else:
@@ -240,20 +255,24 @@ class StageRunner:
                 break
             chunk = Chunk(0, start, [0] * size)
             start += size
-            fb = build_forward_batch([chunk], self.geometry, logits_index=[size - 1], device=self.device)
+            fb = build_forward_batch(
+                [chunk], self.geometry, logits_index=[size - 1], device=self.device, table=self.block_table
+            )
             streams = None
             if not self.layout.is_first:
                 streams = torch.zeros(size, hc, hidden, dtype=self.recv_streams.dtype, device=self.device)
             self.model(fb, self.caches, streams, target_hidden=self.target_hidden)
             if isinstance(self.proposer, MTPProposer):
                 mtp_fb = build_forward_batch(
-                    [chunk], self.proposer.geometry, logits_index=[size - 1], device=self.device
+                    [chunk], self.proposer.geometry, logits_index=[size - 1], device=self.device, table=self.block_table
                 )
                 self.model.mtp_forward(self.target_hidden[:size].view(size, hc, hidden), mtp_fb, self.caches)
             elif isinstance(self.proposer, DraftModelProposer):
                 draft = self.proposer
                 draft.model(
-                    build_forward_batch([chunk], draft.geometry, logits_index=[size - 1], device=self.device),
+                    build_forward_batch(
+                        [chunk], draft.geometry, logits_index=[size - 1], device=self.device, table=draft.table
+                    ),
                     draft.caches,
                 )
 
@@ -293,9 +312,19 @@ class StageRunner:
 
     def _execute(self, plan, received, propose, capture_hidden):
         self._check_committed(plan)
+        geo = self.geometry
+        for slot, first, blocks in plan.blocks:
+            if first + len(blocks) > geo.max_blocks or max(blocks) >= geo.num_blocks:
+                raise RuntimeError(
+                    f"stage {self.layout.index}: slot {slot} is given blocks {first}..{first + len(blocks) - 1} = "
+                    f"{list(blocks)}, beyond its {geo.max_blocks} blocks or the pool's {geo.num_blocks}"
+                )
+            self.block_table.assign(slot, first, blocks)
         last = self.layout.is_last
         logits_index = list(plan.logits_rows) if last else None
-        fb = build_forward_batch(list(plan.chunks), self.geometry, logits_index=logits_index, device=self.device)
+        fb = build_forward_batch(
+            list(plan.chunks), self.geometry, logits_index=logits_index, device=self.device, table=self.block_table
+        )
         streams = received.streams if received is not None else None
         if last:  # (before the model runs: the step's grammar masks are filled while it does)
             self.grammars.begin(plan.structured, plan.samples)
@@ -304,7 +333,7 @@ class StageRunner:
             return IntermediateStreams(out)
         # The head at the sampled rows, and only for requests asking for prompt logprobs at their prompt rows.
         prompt = self._prompt_logprobs(out, plan.prompt_logprobs) if plan.prompt_logprobs else {}
-        self.penalties.begin(plan.penalty_slots, plan.chunks, plan.samples)
+        self.penalties.begin(plan.penalty_slots, plan.chunks, plan.samples, plan.penalty_recount)
         tokens = self._verify(self.model.head_logits(out[fb.logits_index]), plan.samples) if plan.samples else {}
         drafts = self._propose(plan, tokens) if propose and self.proposer is not None else {}
         outputs = {

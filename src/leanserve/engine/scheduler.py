@@ -5,10 +5,12 @@ from collections import deque
 from collections.abc import Set
 from dataclasses import dataclass
 
+from leanserve.engine.blocks import BlockPool
 from leanserve.engine.config import micro_batch_tokens
 from leanserve.engine.proposers import ProposeItem, Proposer
 from leanserve.engine.sequence import SampledToken, SeqOutput, Sequence, SequenceStatus
 from leanserve.engine.slots import CacheSlots
+from leanserve.model.cache import BLOCK_TOKENS, blocks_for
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class ScheduledSeq:
     is_sampled: bool
     # Speculative tokens for the positions after the fed ones, to verify (only on a sampled chunk).
     draft_token_ids: tuple[int, ...] = ()
+    # Cache blocks the sequence took for this step: its blocks first_block, first_block + 1, ... (engine/blocks.py)
+    first_block: int = 0
+    new_blocks: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -49,6 +54,9 @@ class ScheduledBatch:
     # The seq ids of every running request with structured output, this batch's or not (the last stage keeps
     # their grammar matchers while it names them); () when no request has it.
     structured: tuple[int, ...] = ()
+    # (slot, prompt length) of this batch's chunks that feed a preempted request's output tokens again: its new
+    # slot's penalty counts take them (they were counted in the old slot as they were sampled).
+    penalty_recount: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,15 +74,22 @@ class SeqUpdate:
 
 
 class Scheduler:
-    """Continuous batching with chunked prefill over a fixed pool of cache slots (one per sequence).
+    """Continuous batching with chunked prefill over a fixed pool of cache slots (one per running sequence) and
+    a pool of cache blocks (engine/blocks.py: a sequence holds the blocks for the positions it writes).
 
-    One engine step is schedule() -> model execute -> update(). Running sequences are served first,
-    in the order they started running, then waiting ones are admitted FIFO while a slot and token
-    budget remain. There is no preemption: every admitted sequence fits in its slot by construction
-    (add() rejects prompt + max_tokens > max_model_len).
+    One engine step is schedule() -> model execute -> update(). Running sequences are served first, in the
+    order they started running, each taking the blocks its step writes; then waiting ones are admitted FIFO
+    while a slot, the token budget and the blocks for the rest of their prompt (beyond what sequences still
+    prefilling will take) remain. When a running sequence needs a block and none is free, the most recently
+    admitted running sequences are preempted (recompute: their slot and blocks are freed, their tokens kept,
+    and they wait at the head of the queue to prefill them again), itself last. add() refuses a request that
+    could never fit: prompt + max_tokens beyond max_model_len or beyond the whole pool.
     """
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, blocks: BlockPool | None = None
+    ) -> None:
+        """blocks None: a pool with room for max_num_seqs sequences of max_model_len (never preempts)."""
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -87,11 +102,16 @@ class Scheduler:
         self.max_model_len = max_model_len
         # One slot per concurrently running sequence; the model sizes its per-slot caches to match.
         self.slots = CacheSlots(max_num_seqs)
+        if blocks is None:
+            blocks = BlockPool(max_num_seqs * blocks_for(max_model_len, BLOCK_TOKENS), BLOCK_TOKENS)
+        self.blocks = blocks
+        self.num_preemptions = 0  # sequences preempted so far
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # in the order they started running
         self._live: dict[int, Sequence] = {}  # seq_id -> every waiting or running sequence
         self._penalty_slots: set[int] = set()  # slots of running sequences with penalties
         self._structured: set[int] = set()  # seq ids of running sequences with structured output
+        self._recomputing: set[int] = set()  # ids of preempted requests with penalties, until their tokens are back
 
     @property
     def has_unfinished(self) -> bool:
@@ -115,6 +135,12 @@ class Scheduler:
             raise ValueError(
                 f"Request {seq.seq_id}: prompt ({n} tokens) + max_tokens ({m}) exceeds "
                 f"max_model_len ({self.max_model_len})."
+            )
+        pool = self.blocks
+        if pool.blocks_for(n + m) > pool.num_blocks:
+            raise ValueError(
+                f"Request {seq.seq_id}: prompt ({n} tokens) + max_tokens ({m}) needs {pool.blocks_for(n + m)} cache "
+                f"blocks of {pool.block_tokens} tokens; the cache holds {pool.num_blocks}."
             )
         if seq.seq_id in self._live:
             raise ValueError(f"Request id {seq.seq_id} is already waiting or running.")
@@ -147,21 +173,33 @@ class Scheduler:
             most = min(most, max(1, -(-serving // parts)))
         # A running sequence mid-prefill is always among the last admitted (it only stops short of its
         # prompt end when the budget ran out), so decodes are never starved behind a long prefill.
-        for seq in self._running:
+        for seq in list(self._running):  # (a copy: preemption removes sequences)
             if budget == 0 or len(out) == most:
                 break
-            if seq.seq_id not in busy:
-                budget -= self._take(seq, budget, out)
-        # Drafts only from what is left once every running sequence has its token, so they never starve one.
+            if seq.seq_id not in busy and seq.status is SequenceStatus.RUNNING:
+                n = min(seq.num_uncomputed_tokens, budget)
+                if n > 0 and self._make_room(seq, seq.num_computed_tokens + n, busy):
+                    budget -= self._take(seq, n, out)
+        # Drafts only from what is left once every running sequence has its token, so they never starve one; and
+        # only as many as the blocks the sequence holds or can get without preempting anyone take.
         for i, s in enumerate(out):
             if budget == 0:
                 break
             extra = self._drafts(s, budget)
             if extra:
-                out[i] = dataclasses.replace(s, draft_token_ids=extra)
-                budget -= len(extra)
+                end = s.start + len(s.fed_token_ids)
+                if not self._grow(s.seq, end + len(extra)):
+                    extra = extra[: len(s.seq.blocks) * self.blocks.block_tokens - end]
+                if extra:
+                    out[i] = self._announce(dataclasses.replace(s, draft_token_ids=extra))
+                    budget -= len(extra)
+        # Blocks the running sequences still prefilling will take for the rest of their tokens.
+        owed = sum(self._blocks_owed(q) for q in self._running)
         while self._waiting and self.slots.num_free > 0 and len(out) < most and budget > 0:
-            seq = self._waiting.popleft()
+            seq = self._waiting[0]
+            if self._blocks_owed(seq) > self.blocks.num_free - owed:
+                break
+            self._waiting.popleft()
             seq.slot = self.slots.allocate()
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
@@ -169,12 +207,27 @@ class Scheduler:
                 self._penalty_slots.add(seq.slot)
             if seq.params.structured is not None:
                 self._structured.add(seq.seq_id)
-            budget -= self._take(seq, budget, out)
+            n = min(seq.num_uncomputed_tokens, budget)
+            self._grow(seq, n)
+            budget -= self._take(seq, n, out)
+            owed += self._blocks_owed(seq)
         if not out:
             return None
         penalty_slots = tuple(sorted(self._penalty_slots)) if self._penalty_slots else ()
         structured = tuple(sorted(self._structured)) if self._structured else ()
-        return ScheduledBatch(tuple(out), total - budget, penalty_slots, structured)
+        recount = ()
+        if self._recomputing:
+            recount = tuple(self._recount(s) for s in out if s.seq.seq_id in self._recomputing)
+            recount = tuple(r for r in recount if r is not None)
+        return ScheduledBatch(tuple(out), total - budget, penalty_slots, structured, recount)
+
+    def _recount(self, s: ScheduledSeq) -> tuple[int, int] | None:
+        seq = s.seq
+        if s.is_sampled:  # the recompute's last chunk
+            self._recomputing.discard(seq.seq_id)
+        if s.start + len(s.fed_token_ids) > seq.num_prompt_tokens:
+            return s.slot, seq.num_prompt_tokens
+        return None
 
     def update(
         self, batch: ScheduledBatch, outputs: dict[int, SeqOutput], proposer: Proposer | None = None
@@ -232,23 +285,77 @@ class Scheduler:
                 self._live[seq_id].spec_token_ids = tuple(d)
         return updates
 
-    def _take(self, seq: Sequence, budget: int, out: list[ScheduledSeq]) -> int:
-        # Schedules min(uncomputed, budget) tokens of a RUNNING seq into out; returns how many.
+    def _take(self, seq: Sequence, n: int, out: list[ScheduledSeq]) -> int:
+        # Schedules the next n tokens of a RUNNING seq (holding the blocks they write) into out; returns n.
         start = seq.num_computed_tokens
-        n = min(seq.num_uncomputed_tokens, budget)
-        if n <= 0:
-            return 0
-        assert seq.slot is not None
-        out.append(
-            ScheduledSeq(
-                seq=seq,
-                start=start,
-                slot=seq.slot,
-                fed_token_ids=tuple(seq.token_ids_between(start, start + n)),
-                is_sampled=start + n == seq.num_tokens and seq.params.max_tokens > 0,
-            )
+        assert seq.slot is not None and n > 0
+        s = ScheduledSeq(
+            seq=seq,
+            start=start,
+            slot=seq.slot,
+            fed_token_ids=tuple(seq.token_ids_between(start, start + n)),
+            is_sampled=start + n == seq.num_tokens and seq.params.max_tokens > 0,
         )
+        out.append(self._announce(s))
         return n
+
+    # --- blocks -------------------------------------------------------------------------------------------
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        """Gives seq the blocks for its first `tokens` positions; False (taking none) when too few are free."""
+        need = self.blocks.blocks_for(tokens) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if need > self.blocks.num_free:
+            return False
+        seq.blocks.extend(self.blocks.allocate(need))
+        return True
+
+    def _make_room(self, seq: Sequence, tokens: int, busy: Set[int]) -> bool:
+        """_grow(seq, tokens), preempting the most recently admitted running sequences not in flight until the
+        blocks are free; False when seq itself had to go."""
+        while not self._grow(seq, tokens):
+            victim = next(q for q in reversed(self._running) if q is seq or q.seq_id not in busy)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _announce(self, s: ScheduledSeq) -> ScheduledSeq:
+        """s with the blocks its sequence took since its last scheduled step (the stages' block tables learn them
+        from the plan)."""
+        seq = s.seq
+        if seq.num_blocks_sent == len(seq.blocks):
+            return s
+        first, seq.num_blocks_sent = seq.num_blocks_sent, len(seq.blocks)
+        first_block = s.first_block if s.new_blocks else first  # (drafts' blocks continue the chunk's)
+        return dataclasses.replace(s, first_block=first_block, new_blocks=s.new_blocks + tuple(seq.blocks[first:]))
+
+    def _blocks_owed(self, seq: Sequence) -> int:
+        """Blocks seq will still take to hold every token it knows (0 once prefilled: decoding grows by preempting)."""
+        if seq.num_computed_tokens >= seq.num_tokens - 1 and seq.status is SequenceStatus.RUNNING:
+            return 0
+        return max(0, self.blocks.blocks_for(seq.num_tokens) - len(seq.blocks))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Back to the head of the queue with its tokens (to prefill them again): its slot and blocks freed."""
+        self._running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.spec_token_ids = ()
+        self._waiting.appendleft(seq)
+        self.num_preemptions += 1
+        if seq.params.has_penalties and seq.num_output_tokens:
+            self._recomputing.add(seq.seq_id)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self._penalty_slots.discard(seq.slot)
+            self.slots.free(seq.slot)
+            seq.slot = None
+        self.blocks.free(seq.blocks)
+        seq.blocks = []
+        seq.num_blocks_sent = 0
 
     @staticmethod
     def _drafts(s: ScheduledSeq, budget: int) -> tuple[int, ...]:
@@ -277,9 +384,7 @@ class Scheduler:
         # Caller has already removed seq from _waiting/_running. The slot is reusable immediately.
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if seq.slot is not None:
-            self._penalty_slots.discard(seq.slot)
-            self._structured.discard(seq.seq_id)
-            self.slots.free(seq.slot)
-            seq.slot = None
+        self._structured.discard(seq.seq_id)
+        self._recomputing.discard(seq.seq_id)
+        self._release(seq)
         del self._live[seq.seq_id]

@@ -74,6 +74,8 @@ class Sequence:
     # yet committed: it is fed as the next decode token.
     num_computed_tokens: int = 0
     slot: int | None = None  # index into the per-slot cache tensors while RUNNING
+    blocks: list[int] = field(default_factory=list)  # cache blocks held while RUNNING, in position order
+    num_blocks_sent: int = 0  # of `blocks`, how many a scheduled step has announced to the stages
     # Draft tokens proposed for the positions after the newest token, verified by the next step.
     spec_token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None  # "stop" | "length" | "abort" once FINISHED

@@ -9,6 +9,9 @@ rows into the rings first and the indices address the rings alone (`write_first`
 Attention runs over query blocks: a block holds up to `block` consecutive queries of one sequence and
 gathers the keys its queries can see once (block + window - 1 of them), so a long prefill costs about
 twice the keys it reads, not window-times. Short chunks form their own group with one block each.
+
+Compressed rows live in paged pools (model/cache.py): a closing window's row goes to the pool row its slot's
+block table gives, and readers take the table with the step (`ForwardBatch.block_table`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 import torch
 
 from leanserve.model.backends.cpu import kernels as cpu_kernels
-from leanserve.model.cache import CacheGeometry
+from leanserve.model.cache import BlockTable, CacheGeometry
 from leanserve.model.config import CSA
 
 PREFILL_BLOCK = 64  # queries per attention block for long chunks
@@ -75,7 +78,7 @@ class CompressMeta:
     # windows that close during this step, one row each
     src: torch.Tensor  # [NW, span] store rows of the window's source tokens (span = r, or 2r for CSA)
     src_valid: torch.Tensor  # [NW, span] bool (CSA window 0 has no previous window)
-    row_dst: torch.Tensor  # [NW] row in comp_rows viewed as [num_slots * max_rows]
+    row_dst: torch.Tensor  # [NW] row of the pool viewed as [num_blocks * rows per block]
     row_pos: torch.Tensor  # [NW] window start position w * r (its RoPE position)
     write: RingWrite
     write_first: bool
@@ -100,6 +103,7 @@ class ForwardBatch:
     window_write: RingWrite
     window_write_first: bool
     compress: dict[str, CompressMeta]
+    block_table: torch.Tensor  # [num_slots, max_blocks] int32: the stage's block table (model/cache.py)
 
     @property
     def num_tokens(self) -> int:
@@ -107,8 +111,14 @@ class ForwardBatch:
 
 
 def build_forward_batch(
-    chunks: list[Chunk], geo: CacheGeometry, logits_index: list[int] | None = None, device: str | torch.device = "cpu"
+    chunks: list[Chunk],
+    geo: CacheGeometry,
+    logits_index: list[int] | None = None,
+    device: str | torch.device = "cpu",
+    table: BlockTable | None = None,
 ) -> ForwardBatch:
+    """The step's metadata. `table`: the slots' blocks (None: the identity table of geometry's largest pools)."""
+    table = table if table is not None else BlockTable.identity_for(geo)
     # Index math in numpy (a fraction of torch's per-op cost on these small arrays), tensors at the end.
     sizes = [len(c.token_ids) for c in chunks]
     lens = np.array(sizes, dtype=np.int64)
@@ -118,7 +128,7 @@ def build_forward_batch(
     logits = None if logits_index is None else torch.tensor(logits_index, dtype=torch.long)
     on_cpu = device == "cpu" or torch.device(device).type == "cpu"
     if _short_kernels is not None and cpu_kernels.available() and _all_short(sizes, geo):
-        fb = _short_batch(slots, starts, lens, input_ids, logits, geo)
+        fb = _short_batch(slots, starts, lens, input_ids, logits, geo, table.array)
         return fb if on_cpu else _to(fb, device)
     offsets = np.cumsum(lens) - lens  # flat index of each chunk's first token
     total = int(lens.sum())
@@ -141,9 +151,10 @@ def build_forward_batch(
         window_write=tok.ring_write(ring),
         window_write_first=tok.write_first(ring, geo.window),
         compress={
-            kind: _compress(tok, ratio, ring_b, rows, geo.num_slots, kind == CSA)
-            for kind, (ratio, ring_b, rows) in geo.compress.items()
+            kind: _compress(tok, ratio, ring_b, per_block, geo.num_slots, kind == CSA, table.array)
+            for kind, (ratio, ring_b, per_block) in geo.compress.items()
         },
+        block_table=table.tensor,
     )
     return fb if on_cpu else _to(fb, device)
 
@@ -218,7 +229,9 @@ def _group(tok: _Layout, seqs: np.ndarray, block: int | None, geo: CacheGeometry
     )
 
 
-def _compress(tok: _Layout, ratio: int, ring: int, max_rows: int, num_slots: int, overlap: bool) -> CompressMeta:
+def _compress(
+    tok: _Layout, ratio: int, ring: int, per_block: int, num_slots: int, overlap: bool, table: np.ndarray
+) -> CompressMeta:
     ends = tok.starts + tok.lens
     # Windows closing this step: w in [start // r, end // r).
     first, last = tok.starts // ratio, ends // ratio
@@ -235,7 +248,7 @@ def _compress(tok: _Layout, ratio: int, ring: int, max_rows: int, num_slots: int
         ratio=ratio,
         src=_t(np.where(src_valid, src, 0)),
         src_valid=_t(src_valid),
-        row_dst=_t(tok.slots[win_seq] * max_rows + w),
+        row_dst=_t(table[tok.slots[win_seq], w // per_block].astype(np.int64) * per_block + w % per_block),
         row_pos=_t(w * ratio),
         write=tok.ring_write(ring),
         write_first=tok.write_first(ring, span),
@@ -290,7 +303,7 @@ def _short_group(slots, starts, lens, window, ring, ratios):  # pragma: no cover
     return positions, q_rows, q_valid, q_pos, key_index, key_mask, visible, ring_dst
 
 
-def _short_compress(slots, starts, lens, ratio, ring, max_rows, overlap):  # pragma: no cover - compiled
+def _short_compress(slots, starts, lens, ratio, ring, per_block, overlap, table):  # pragma: no cover - compiled
     # One compressed kind: the windows that close this step, and the ring write.
     num = slots.shape[0]
     closing = 0
@@ -311,7 +324,7 @@ def _short_compress(slots, starts, lens, ratio, ring, max_rows, overlap):  # pra
                 if first + c >= 0:
                     src_valid[i, c] = True
                     src[i, c] = slot * ring + (first + c) % ring
-            row_dst[i] = slot * max_rows + w
+            row_dst[i] = np.int64(table[slot, w // per_block]) * per_block + w % per_block
             row_pos[i] = w * ratio
             i += 1
         for j in range(n):
@@ -325,7 +338,7 @@ if cpu_kernels.numba is not None:
     _short_kernels = cpu_kernels._jit(_short_group), cpu_kernels._jit(_short_compress)
 
 
-def _short_batch(slots, starts, lens, input_ids, logits_index, geo: CacheGeometry) -> ForwardBatch:
+def _short_batch(slots, starts, lens, input_ids, logits_index, geo: CacheGeometry, table: np.ndarray) -> ForwardBatch:
     group_fn, compress_fn = _short_kernels
     kinds = list(geo.compress)
     ratios = np.array([geo.compress[k][0] for k in kinds], dtype=np.int64)
@@ -348,8 +361,10 @@ def _short_batch(slots, starts, lens, input_ids, logits_index, geo: CacheGeometr
     )
     compress = {}
     for kind in kinds:
-        ratio, ring, max_rows = geo.compress[kind]
-        src, src_valid, row_dst, row_pos, dst = compress_fn(slots, starts, lens, ratio, ring, max_rows, kind == CSA)
+        ratio, ring, per_block = geo.compress[kind]
+        src, src_valid, row_dst, row_pos, dst = compress_fn(
+            slots, starts, lens, ratio, ring, per_block, kind == CSA, table
+        )
         compress[kind] = CompressMeta(
             ratio, t(src), t(src_valid), t(row_dst), t(row_pos), RingWrite(every, t(dst)), write_first=True
         )
@@ -361,6 +376,7 @@ def _short_batch(slots, starts, lens, input_ids, logits_index, geo: CacheGeometr
         window_write=RingWrite(every, t(ring_dst)),
         window_write_first=True,
         compress=compress,
+        block_table=t(table),
     )
 
 

@@ -54,10 +54,22 @@ class ServerMetrics:
         # Read at scrape time, so they are right while the engine is idle too.
         self.running.set_function(lambda: engine.scheduler.num_running)
         self.waiting.set_function(lambda: engine.scheduler.num_waiting)
+        blocks = Gauge("leanserve_kv_cache_blocks", "Paged cache blocks by state (used or free)", ["state"], registry=r)
+        pool = engine.scheduler.blocks
+        blocks.labels("used").set_function(lambda: pool.num_used)
+        blocks.labels("free").set_function(lambda: pool.num_free)
+        self.preemptions = Counter(
+            "leanserve_num_preemptions", "Sequences preempted (blocks ran out; recomputed later)", registry=r
+        )
+        self._preempted = 0
 
     # Called on the engine-loop thread after each step.
     def on_step(self, seconds: float) -> None:
         self.step.observe(seconds)
+        preempted = self._engine.scheduler.num_preemptions
+        if preempted > self._preempted:
+            self.preemptions.inc(preempted - self._preempted)
+            self._preempted = preempted
         if self.spec is not None:
             m = self._engine.spec_decode_metrics()
             for key, gauge in self.spec.items():

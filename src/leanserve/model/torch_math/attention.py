@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from leanserve.model.cache import paged_rows
 from leanserve.model.torch_math.compressor import index_queries, index_select
 from leanserve.model.weights import AttentionWeights
 
@@ -80,10 +81,11 @@ def attend(
         keys, mask = store[g.key_index], g.key_mask  # [NB, Kw, D], [NB, Bq, Kw]
         n = g.max_visible[w.layer_type] if w.compressor is not None else 0
         if n:
-            rows = cache.comp_rows[g.block_slot, :n]  # [NB, n, D]
+            rows = paged_rows(cache.comp_rows, fb.block_table, g.block_slot, n)  # [NB, n, D]
             row_mask = torch.arange(n, device=q.device) < g.visible[w.layer_type][..., None]  # [NB, Bq, n]
             if iq is not None and n > w.indexer.topk:
-                row_mask = index_select(w.indexer, iq, g, cache.idx_rows, row_mask)
+                keys_i = paged_rows(cache.idx_rows, fb.block_table, g.block_slot, n)
+                row_mask = index_select(w.indexer, iq, g, keys_i, row_mask)
             keys = torch.cat([keys, rows.to(keys.dtype)], dim=1)
             mask = torch.cat([mask, row_mask], dim=-1)
         attended = attend_scores(w, scores(w, g.gather(q), keys), mask, keys)  # [NB, Bq, H, D]

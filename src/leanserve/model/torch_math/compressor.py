@@ -23,7 +23,7 @@ def compress(
     meta: CompressMeta,
     kv_ring: torch.Tensor,  # [slots, B, width]
     gate_ring: torch.Tensor,  # [slots, B, width]
-    rows: torch.Tensor,  # [slots, max_rows, dim]
+    rows: torch.Tensor,  # the pool [blocks, rows per block, dim]
     row_rope: torch.Tensor,  # RoPE factors at each closing window's position
 ) -> None:
     """One step: writes the entries of the windows that close this step into `rows`, and stores this step's
@@ -96,12 +96,12 @@ def index_select(
     w: IndexerWeights,
     queries: tuple[torch.Tensor, torch.Tensor],
     group: AttnGroup,
-    rows: torch.Tensor,  # idx_rows [slots, max_rows, d]
+    keys: torch.Tensor,  # [NB, n, d]: the indexer's rows 0..n-1 of each block's sequence
     visible: torch.Tensor,  # [NB, Bq, n] bool: rows each query may see
 ) -> torch.Tensor:
     """[NB, Bq, n] bool: the `topk` visible rows with the highest index scores, per query."""
     q, head_weights = group.gather(queries[0]), group.gather(queries[1])  # [NB, Bq, H, d], [NB, Bq, H]
-    keys = rows[group.block_slot, : visible.shape[-1]].float()  # [NB, n, d]
+    keys = keys.float()
     return index_pick(w, index_scores(w, q, keys, head_weights).masked_fill(~visible, float("-inf")), visible)
 
 

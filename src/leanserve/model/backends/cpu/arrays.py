@@ -14,7 +14,7 @@ from leanserve.model.weights import AttentionWeights, CompressorWeights, MixWeig
 if TYPE_CHECKING:
     from leanserve.model.cache import LayerCache
 
-NO_ROWS = np.empty((1, 0, 1), dtype=np.float32)
+NO_ROWS = np.empty((0, 1, 1), dtype=np.float32)
 NO_CHOICE = np.empty((0, 0, 0), dtype=np.bool_)
 NO_NEW_KV = np.empty((0, 1), dtype=np.float32)  # (a step whose rows went into the ring first)
 NO_TABLE = np.empty((0, 0), dtype=np.int64)
@@ -99,7 +99,7 @@ def settled(streams: np.ndarray, pending) -> np.ndarray:
 
 def compress_arrays(kv, gate, meta_arrays, kv_ring, gate_ring, rows, angles, write_first: bool, w: CompressorWeights):
     """One compressor step: kv, gate [T, width]; meta_arrays from CompressMeta.arrays(); the rings [slots * B,
-    width]; rows [slots * max_rows, dim]; angles [NW, R/2, 2]."""
+    width]; rows the pool [blocks * rows per block, dim]; angles [NW, R/2, 2]."""
     write_src, write_dst, src, src_valid, row_dst = meta_arrays
     ck.compress(
         src.shape[0], kv, gate, write_src, write_dst, kv_ring, gate_ring, write_first, src, src_valid, w.ape,
@@ -107,10 +107,11 @@ def compress_arrays(kv, gate, meta_arrays, kv_ring, gate_ring, rows, angles, wri
     )  # fmt: skip
 
 
-def attend_arrays(w: AttentionWeights, q, ring, new_kv, group, most: int, visible, rows, idx_rows, index_queries,
-                  angles, out) -> None:  # fmt: skip
+def attend_arrays(w: AttentionWeights, q, ring, new_kv, group, table, most: int, visible, rows, idx_rows,
+                  index_queries, angles, out) -> None:  # fmt: skip
     """The attention kernels for one group of query blocks (see kernels.attend): q, out [T, H, D]; the window
-    ring and this step's new rows (or NO_NEW_KV); group from AttnGroup.arrays(); visible [NB, Bq] the compressed
+    ring and this step's new rows (or NO_NEW_KV); group from AttnGroup.arrays(); table the block table
+    [slots, max_blocks] (model/cache.py); visible [NB, Bq] the compressed
     rows each query may see, `most` their maximum; the layer's compressed and indexer rows (cache_rows);
     index_queries the indexer's (queries, head weights), or None when it does not choose."""
     q_rows, q_valid, key_index, key_mask, block_slot = group
@@ -120,11 +121,21 @@ def attend_arrays(w: AttentionWeights, q, ring, new_kv, group, most: int, visibl
         chosen = np.empty((*q_rows.shape, most), dtype=np.bool_)
         work = spread(q_rows.shape[0], q_rows.size * idx.heads * idx.head_dim * most)  # (query-row products x width)
         ck.index_select(
-            work, *index_queries, q_rows, q_valid, block_slot, idx_rows, visible, idx.topk, idx.head_dim**-0.5, chosen
+            work,
+            *index_queries,
+            q_rows,
+            q_valid,
+            block_slot,
+            table,
+            idx_rows,
+            visible,
+            idx.topk,
+            idx.head_dim**-0.5,
+            chosen,
         )
     work = spread(q_rows.shape[0], q_rows.size * q.shape[1] * q.shape[2] * (key_index.shape[1] + most))  # (likewise)
     ck.attend(
-        work, q, ring, new_kv, q_rows, q_valid, key_index, key_mask, block_slot, rows, visible, chosen, w.sink,
+        work, q, ring, new_kv, q_rows, q_valid, key_index, key_mask, block_slot, table, rows, visible, chosen, w.sink,
         w.head_dim**-0.5, angles, out,
     )  # fmt: skip
 

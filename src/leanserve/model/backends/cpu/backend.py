@@ -222,11 +222,11 @@ class CpuBackend(TorchBackend):
         args = q.numpy(), ring.numpy(), arrays.NO_NEW_KV if new_kv is None else new_kv.numpy()
         angles = torch.view_as_real(rope.contiguous()).numpy()
         iq = None if iq is None else (iq[0].numpy(), iq[1].numpy())
-        views, rows = self._views.get(w), arrays.cache_rows(cache)
+        views, rows, table = self._views.get(w), arrays.cache_rows(cache), fb.block_table.numpy()
         for g in fb.groups:
             most = g.max_visible[w.layer_type] if w.compressor is not None else 0
             visible = g.visible[w.layer_type].numpy() if most else np.zeros(g.q_rows.shape, dtype=np.int64)
-            arrays.attend_arrays(views, *args, g.arrays(), most, visible, *rows, iq, angles, out.numpy())
+            arrays.attend_arrays(views, *args, g.arrays(), table, most, visible, *rows, iq, angles, out.numpy())
         return out
 
     def moe(self, w, x, input_ids):

@@ -59,11 +59,13 @@ class Step:
         self.visible = {k: v.numpy() for k, v in g.visible.items()}
         self.no_visible = np.zeros(g.q_rows.shape, dtype=np.int64)
         self.compress = {kind: m.arrays() for kind, m in fb.compress.items()}
+        self.table = fb.block_table.numpy()
 
 
 @dataclass(frozen=True)
 class Rings:
-    """A compressor's cache views: its kv and gate rings [slots * B, width] and its rows [slots * rows, dim]."""
+    """A compressor's cache views: its kv and gate rings [slots * B, width] and its pool of rows [blocks * P, dim]
+    (P rows per block)."""
 
     kv: np.ndarray
     gate: np.ndarray
@@ -165,7 +167,7 @@ def attention(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
                 index_queries = iq, projected[6] * np.float32(idx.heads**-0.5)
     visible = step.visible[w.layer_type] if most else step.no_visible
     out = np.empty((n, w.heads, dim), dtype=np.float32)
-    attend_arrays(w, q, p.ring, NO_NEW_KV, step.group, most, visible, *p.rows, index_queries, angles, out)
+    attend_arrays(w, q, p.ring, NO_NEW_KV, step.group, step.table, most, visible, *p.rows, index_queries, angles, out)
     low = grouped_linear_arrays(out.reshape(n, w.o_groups, -1), p.wo_a)
     return p.wo_b(low.reshape(n, -1))[0]
 

@@ -86,11 +86,12 @@ compress = Threaded(_compress, min_work=64)
 ATTEND_SUM_ROWS = 32  # (query, head) rows of a block up to which _attend sums key rows instead of transposing
 
 
-def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, visible, chosen, sink, scale,
+def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, rows, visible, chosen, sink, scale,
             freqs, out):  # fmt: skip
     # (compiled) Shared-KV attention (keys = values) for one group of query blocks, see model/batch.py:
     #   q [T, H, D] RoPE'd queries; window keys are store rows key_index[b, :] masked by key_mask[b, i, :],
-    #   where the store is ring [Rr, D] followed by new_kv [T, D]; then the compressed rows rows[slot[b], :n]
+    #   where the store is ring [Rr, D] followed by new_kv [T, D]; then the compressed rows 0..n-1 of slot[b]'s
+    #   sequence (row c at rows[table[slot[b], c // P], c % P] of the pool rows [blocks, P, D], model/cache.py)
     #   with n = visible[b, i], restricted to chosen[b, i, :] when chosen is not empty (the indexer's top-k:
     #   the block then reads only the rows some query of it chose).
     # Each head has a sink logit (probability mass, no value). The output is rotated back by RoPE (the
@@ -107,6 +108,7 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
     half = freqs.shape[1]
     lead = dim - 2 * half
     picked = chosen.shape[0] > 0
+    per_block = rows.shape[1]
     for b in prange(num_blocks):
         most = 0
         for i in range(block):
@@ -145,7 +147,8 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
             r = key_index[b, lo + k]
             _copy_row_jit(kv[k], ring[r] if r < ring_rows else new_kv[r - ring_rows])
         for j in range(comp):
-            _copy_row_jit(kv[span + j], rows[slot[b], sel[j]])
+            c = sel[j]
+            _copy_row_jit(kv[span + j], rows[table[slot[b], c // per_block], c % per_block])
         qh = np.zeros((block * heads, dim), dtype=np.float32)  # rows (query i, head h) at i * heads + h
         for i in range(block):
             if q_valid[b, i]:
@@ -217,14 +220,16 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, rows, v
 attend = Threaded(_attend, min_work=1 << 17)
 
 
-def _index_select(q, head_w, q_rows, q_valid, slot, keys, visible, topk, scale, out):  # pragma: no cover
+def _index_select(q, head_w, q_rows, q_valid, slot, table, keys, visible, topk, scale, out):  # pragma: no cover
     # (compiled) The Lightning Indexer's choice for one group of query blocks: score each visible compressed row
     # c < visible[b, i] as sum_h head_w[t, h] * relu(q[t, h] . keys[slot[b], c]) * scale and keep the `topk`
     # best (ties to the lower row: the stable sort's choice, kept by insertion into the topk best so far, no
-    # sort), out [NB, Bq, n] bool. q [T, H, d], head_w [T, H], keys [slots, rows, d].
+    # sort), out [NB, Bq, n] bool. q [T, H, d], head_w [T, H], keys the indexer's pool [blocks, P, d] (row c of
+    # slot s at keys[table[s, c // P], c % P]).
     num_blocks, block = q_rows.shape
     heads, dim = q.shape[1], q.shape[2]
     n = out.shape[2]
+    per_block = keys.shape[1]
     for b in prange(num_blocks):
         best = np.empty(topk, dtype=np.float32)  # the topk best scores so far, best first, and their rows
         rows = np.empty(topk, dtype=np.int64)
@@ -241,11 +246,12 @@ def _index_select(q, head_w, q_rows, q_valid, slot, keys, visible, topk, scale, 
                 continue
             kept = 0
             for c in range(m):
+                key = keys[table[slot[b], c // per_block], c % per_block]
                 total = np.float32(0.0)
                 for h in range(heads):
                     s = np.float32(0.0)
                     for d in range(dim):
-                        s += q[t, h, d] * keys[slot[b], c, d]
+                        s += q[t, h, d] * key[d]
                     total += max(s, np.float32(0.0)) * scale * head_w[t, h]
                 # Insert after every kept score >= total (an equal score keeps the lower row), if it makes the cut.
                 if kept == topk and total <= best[topk - 1]:

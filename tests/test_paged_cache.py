@@ -1,0 +1,219 @@
+"""The paged cache: blocks handed out by the scheduler as sequences grow, preemption when they run out, the block
+tables the plans carry, the budget that sizes the pools, and the same tokens whatever the budget."""
+
+import random
+from pathlib import Path
+
+import pytest
+
+from leanserve import LLM, SamplingParams
+from leanserve.engine.blocks import BlockPool
+from leanserve.engine.runner import StepPlan
+from leanserve.engine.scheduler import Scheduler
+from leanserve.engine.sequence import SampledToken, SeqOutput, Sequence, SequenceStatus
+from leanserve.memory import parse_bytes
+from leanserve.model.config import ConfigError
+from leanserve.sampling_params import SamplingParams as Params
+
+EOS = 2
+MODEL = str(Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-8m")
+
+
+def make_seq(seq_id: int, prompt_len: int, max_tokens: int, **kw) -> Sequence:
+    return Sequence(seq_id, [100 + i for i in range(prompt_len)], Params(max_tokens=max_tokens, **kw), (EOS,))
+
+
+def test_block_pool_hands_out_lowest_first_and_takes_back():
+    pool = BlockPool(6, 4)
+    assert pool.allocate(2) == [0, 1] and pool.allocate(1) == [2] and pool.num_free == 3
+    pool.free([0, 1])
+    assert pool.num_used == 1 and sorted(pool.allocate(5)) == [0, 1, 3, 4, 5]
+    with pytest.raises(RuntimeError, match="1 blocks asked for, 0 free"):
+        pool.allocate(1)
+    assert pool.blocks_for(0) == 0 and pool.blocks_for(4) == 1 and pool.blocks_for(5) == 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_in_a_small_pool_preempts_and_finishes_everything(seed):
+    """Requests larger together than the pool: every one finishes with its tokens fed in order (from position 0
+    again after a preemption), no block is held by two sequences, each step's plan tells the stages every block
+    its chunks write, and the pool is whole again at the end."""
+    rng = random.Random(seed)
+    block, max_len = 4, 48
+    pool = BlockPool(rng.randint(12, 20), block)
+    max_seqs = rng.randint(2, 8)
+    sched = Scheduler(max_seqs, rng.randint(8, 40), max_len, pool)
+    seqs = []
+    for i in range(40):
+        plen = rng.randint(1, 30)
+        seqs.append(make_seq(i, plen, rng.randint(1, max_len - plen), ignore_eos=rng.random() < 0.5))
+    pending = list(seqs)
+    fed = {s.seq_id: [] for s in seqs}
+    tables: dict[int, dict[int, int]] = {}  # slot -> {block index: block}, as a stage's table learns them
+    aborted = set()
+    steps = 0
+    while pending or sched.has_unfinished:
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                sched.add(pending.pop(0))
+        if rng.random() < 0.02 and sched.has_unfinished:  # an abort, waiting or running
+            victim = rng.choice(
+                [
+                    s
+                    for s in seqs
+                    if s.seq_id not in aborted and s.status is not SequenceStatus.FINISHED and s.seq_id in sched._live
+                ]
+            )
+            sched.abort(victim.seq_id)
+            aborted.add(victim.seq_id)
+        batch = sched.schedule()
+        if batch is None:
+            assert not sched.has_unfinished
+            continue
+        steps += 1
+        plan = StepPlan.from_batch(batch)
+        for slot, first, blocks in plan.blocks:
+            for j, b in enumerate(blocks):
+                tables.setdefault(slot, {})[first + j] = b
+        owners = {}
+        for q in sched._running:
+            for b in q.blocks:
+                assert b not in owners, f"block {b} held by {owners[b]} and {q.seq_id}"
+                owners[b] = q.seq_id
+        assert len(owners) == pool.num_used
+        sampled = {}
+        for s in batch.seqs:
+            seq = s.seq
+            end = s.start + s.num_tokens
+            # The stage's table names a block of this sequence for every position the chunk writes.
+            for j in range(pool.blocks_for(end)):
+                assert tables[s.slot][j] == seq.blocks[j]
+            if s.start == 0:
+                fed[seq.seq_id] = []
+            assert len(fed[seq.seq_id]) == s.start
+            fed[seq.seq_id].extend(s.fed_token_ids)
+            if s.is_sampled:
+                sampled[seq.seq_id] = [EOS if rng.random() < 0.05 else rng.randint(10, 99)]
+        outs = {k: SeqOutput(tuple(SampledToken(t) for t in v)) for k, v in sampled.items()}
+        sched.update(batch, outs)
+        assert steps < 20_000
+    assert sched.num_preemptions > 0
+    assert pool.num_free == pool.num_blocks and sched.slots.num_free == max_seqs
+    for seq in seqs:
+        assert seq.status is SequenceStatus.FINISHED and seq.blocks == []
+        if seq.seq_id not in aborted:
+            assert fed[seq.seq_id] == seq.all_token_ids[:-1]
+
+
+def test_a_request_larger_than_the_pool_is_refused_with_the_sizes():
+    sched = Scheduler(4, 64, 64, BlockPool(3, 4))
+    with pytest.raises(ValueError, match=r"needs 4 cache blocks of 4 tokens; the cache holds 3"):
+        sched.add(make_seq(0, 10, 6))
+    assert not sched.has_unfinished
+
+
+def test_admission_waits_for_the_blocks_of_the_whole_prompt():
+    # 4 blocks of 4 tokens: a 12-token prompt holds 3 of them while it prefills in chunks of 4, so a second
+    # 8-token prompt waits (its 2 blocks are not free beyond what the first still takes).
+    sched = Scheduler(4, 4, 64, BlockPool(4, 4))
+    a, b = make_seq(0, 12, 1), make_seq(1, 8, 1)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert [s.seq.seq_id for s in batch.seqs] == [0] and a.blocks == [0]
+    assert b.status is SequenceStatus.WAITING
+
+
+def test_parse_bytes_and_bad_budgets():
+    assert parse_bytes("20GiB", "x") == 20 * 2**30 and parse_bytes("1.5 GB", "x") == 1_500_000_000
+    assert parse_bytes(4096, "x") == 4096 and parse_bytes("512MiB", "x") == 512 * 2**20
+    for bad in ("lots", "-1GiB", -5, "12 parsecs", True, 1.5):
+        with pytest.raises(ValueError, match="kv_cache_memory"):
+            parse_bytes(bad, "kv_cache_memory")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"kv_cache_memory": "-3GiB"}, "kv_cache_memory must not be negative"),
+        ({"kv_cache_memory": "a lot"}, "kv_cache_memory must be a size in bytes such as 20GiB, got 'a lot'"),
+        ({"kv_cache_memory": "100KiB"}, r"kv_cache_memory \(100.00 KiB\) holds 256 tokens, fewer than one request"),
+        (
+            {"kv_block_size": 100},
+            r"kv_block_size must be a positive multiple of the compression rates \[4, 16\], got 100",
+        ),
+        ({"kv_block_size": 0}, "kv_block_size must be a positive integer"),
+    ],
+)
+def test_bad_cache_options_are_refused_before_anything_is_allocated(options, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(MODEL, max_model_len=1024, load_progress=False, **options)
+
+
+PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(30 + 7 * i)]} for i in range(64)]
+
+
+def _generate(model, **options):
+    llm = LLM(model, max_model_len=768, max_num_seqs=64, load_progress=False, **options)
+    try:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, logprobs=0)
+        outs = llm.generate(PROMPTS, params)
+        sched = llm.engine.scheduler
+        assert sched.blocks.num_free == sched.blocks.num_blocks  # every block back
+        return [o.outputs[0].token_ids for o in outs], sched.num_preemptions
+    finally:
+        llm.shutdown()
+
+
+# A block of 256 tokens costs the shipped 8M model's 4 layers 52 KiB; 64 requests of up to 671 tokens take 2 or 3
+# blocks each, so 48 blocks (2.4 MiB) hold about 16 of them at once.
+SMALL = 48 * 52 * 1024
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        # (float32: in bfloat16 the torch statement's greedy tokens change with the batch's makeup, paged or not)
+        {"backend": "torch", "dtype": "float32"},
+        {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
+        {"pipeline_parallel_size": 2},
+        {"pipeline_parallel_size": 2, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
+    ],
+    ids=["cpu", "torch", "mtp2", "pp2", "pp2-mtp2"],
+)
+def test_same_tokens_when_preempted_as_with_room_for_everything(options):
+    ample, none = _generate(MODEL, **options)
+    tight, preempted = _generate(MODEL, kv_cache_memory=SMALL, **options)
+    assert none == 0 and preempted > 0
+    assert tight == ample
+
+
+def _mixed_params(i: int) -> SamplingParams:
+    """Greedy, seeded sampling, penalties (their counts rebuilt after a preemption) and prompt logprobs."""
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=0.9, seed=1000 + i),
+        dict(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.2),
+        dict(temperature=0.0, prompt_logprobs=1),
+    ]
+    return SamplingParams(max_tokens=150, ignore_eos=True, **kinds[i % len(kinds)])
+
+
+def _generate_mixed(**options):
+    llm = LLM(MODEL, max_model_len=768, max_num_seqs=64, load_progress=False, **options)
+    try:
+        outs = llm.generate(PROMPTS, [_mixed_params(i) for i in range(len(PROMPTS))])
+        prompt = [[p and p[next(iter(p))].logprob for p in o.prompt_logprobs or []] for o in outs]
+        return [o.outputs[0].token_ids for o in outs], prompt, llm.engine.scheduler.num_preemptions
+    finally:
+        llm.shutdown()
+
+
+def test_sampling_penalties_and_prompt_logprobs_survive_preemption():
+    ample, ample_prompt, _ = _generate_mixed()
+    tight, tight_prompt, preempted = _generate_mixed(kv_cache_memory=SMALL)
+    assert preempted > 0
+    assert tight == ample
+    for a, b in zip(ample_prompt, tight_prompt, strict=True):  # every prompt position scored once
+        assert len(a) == len(b) and a[1:] == pytest.approx(b[1:], abs=1e-4)
