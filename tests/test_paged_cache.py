@@ -217,3 +217,37 @@ def test_sampling_penalties_and_prompt_logprobs_survive_preemption():
     assert tight == ample
     for a, b in zip(ample_prompt, tight_prompt, strict=True):  # every prompt position scored once
         assert len(a) == len(b) and a[1:] == pytest.approx(b[1:], abs=1e-4)
+
+
+def test_the_plan_at_a_million_tokens_pages_what_sixteen_chats_hold():
+    """DeepSeek-V4-Flash, 16 users, max_model_len 1M: 16 requests of 8K tokens need at most 1/40 of what the
+    static layout reserved (every slot a whole 1M sequence), and the plan says what a 20 GiB budget holds."""
+    from leanserve.plan import plan_deployment
+
+    kw = dict(max_num_seqs=16, max_model_len=1 << 20)
+    static, _ = plan_deployment("deepseek-v4-flash", **kw)
+    reserved = sum(n for s in static for f, n in s.by_feature().items() if f == "kv_cache")
+    stages, cache = plan_deployment("deepseek-v4-flash", kv_cache_memory="20GiB", **kw)
+    assert cache["num_blocks"] * sum(cache["block_bytes"]) <= 20 * 2**30
+    eight_k, long = cache["requests"]["8192"], cache["requests"]["131072"]
+    assert eight_k["bytes_for_16"] <= reserved / 40
+    assert eight_k["held"] == cache["num_blocks"] // (8192 // 256) > 16
+    assert long["held"] == cache["num_blocks"] // (131072 // 256) >= 16
+    assert cache["requests"][str(1 << 20)]["held"] >= 1
+    rows = sum(e.bytes for s in stages for e in s.buffers if e.name.endswith("_rows"))
+    assert rows == cache["num_blocks"] * sum(cache["block_bytes"])  # the ledger's pools are the planned blocks
+
+
+def test_memory_command_reports_the_paged_cache(capsys):
+    from leanserve.cli import main
+
+    assert main(["memory", "--plan", "--config", "deepseek-v4-flash", "--max-model-len", "1048576",
+                 "--max-num-seqs", "16", "--kv-cache-memory", "20GiB"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert (
+        "paged cache: 12192 blocks of 256 tokens (3,121,152 tokens), 20.00 GiB per stage of a 20.00 GiB budget" in out
+    )
+    assert "requests of 131,072 tokens: the pools hold 23 at once" in out
+    assert main(["memory", "--plan", "--config", "deepseek-v4-flash", "--max-model-len", "131072",
+                 "--max-num-seqs", "16", "--kv-cache-memory", "20GiB"]) == 0  # fmt: skip
+    assert "13.44 GiB per stage of a 20.00 GiB budget (all 16 slots' max_model_len fits)" in capsys.readouterr().out

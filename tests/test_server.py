@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -316,6 +317,11 @@ def test_metrics(server):
     ):  # fmt: skip
         assert name in text, name
     assert 'status="400"' in text and 'status="200"' in text
+    # The paged cache: every block free between requests, none preempted by one short request.
+    used = re.search(r'leanserve_kv_cache_blocks\{state="used"\} (\S+)', text)
+    free = re.search(r'leanserve_kv_cache_blocks\{state="free"\} (\S+)', text)
+    assert used and free and float(used.group(1)) == 0 and float(free.group(1)) > 0
+    assert "leanserve_num_preemptions_total 0.0" in text
 
 
 # --- auth, pipeline + speculation, shutdown ---------------------------------------------------------------

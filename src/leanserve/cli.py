@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from leanserve.bench import formats, hidden_copy, pp, spec, spec_cost, step, structured, throughput
+from leanserve.bench import formats, hidden_copy, kv, pp, spec, spec_cost, step, structured, throughput
 from leanserve.bench import serve as bench_serve
 from leanserve.bench.options import int_list, prepare
 from leanserve.errors import EngineDied, StageFailure
@@ -178,6 +178,7 @@ BENCHMARKS = {
     "pp": pp,
     "spec": spec,
     "structured": structured,
+    "kv": kv,
 }
 
 

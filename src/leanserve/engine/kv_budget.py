@@ -164,11 +164,15 @@ def kv_summary(cfg: ModelConfig, topology: PipelineTopology, kv: KvPlan, itemsiz
 
 
 def format_kv_summary(s: dict) -> str:
-    budget = "nothing paged (no compressed layer)" if s["budget_bytes"] is None else format_bytes(s["budget_bytes"])
-    lines = [
-        f"paged cache: {budget} per stage in blocks of {s['block_tokens']} tokens: {s['num_blocks']} blocks, "
-        f"{s['tokens']:,} tokens"
-    ]
+    head = f"paged cache: {s['num_blocks']} blocks of {s['block_tokens']} tokens ({s['tokens']:,} tokens)"
+    if s["budget_bytes"] is None:
+        head += ", nothing paged (no compressed layer)"
+    else:
+        pools = s["num_blocks"] * max(s["block_bytes"])
+        head += f", {format_bytes(pools)} per stage of a {format_bytes(s['budget_bytes'])} budget"
+        if pools + max(s["block_bytes"]) <= s["budget_bytes"]:
+            head += f" (all {s['max_num_seqs']} slots' max_model_len fits)"
+    lines = [head]
     kinds = [f"{k} ({v['layers']} layers) {v['bytes']:,.1f} B" for k, v in s["bytes_per_token"].items()]
     total = sum(v["bytes"] for v in s["bytes_per_token"].values())
     lines.append(f"  bytes per token, every stage: {', '.join(kinds) or 'none'}; {total:,.1f} B in all")

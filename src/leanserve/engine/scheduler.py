@@ -125,6 +125,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def num_computed_tokens(self) -> int:
+        """Positions the running sequences have in the cache (what their blocks hold)."""
+        return sum(seq.num_computed_tokens for seq in self._running)
+
     def add(self, seq: Sequence) -> None:
         n, m = seq.num_prompt_tokens, seq.params.max_tokens
         if n == 0:

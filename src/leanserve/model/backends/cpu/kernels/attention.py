@@ -230,9 +230,13 @@ def _index_select(q, head_w, q_rows, q_valid, slot, table, keys, visible, topk, 
     heads, dim = q.shape[1], q.shape[2]
     n = out.shape[2]
     per_block = keys.shape[1]
+    flat = keys.reshape(-1, dim)  # (pool rows, so that a row is two loads, not a view per query and row)
     for b in prange(num_blocks):
         best = np.empty(topk, dtype=np.float32)  # the topk best scores so far, best first, and their rows
         rows = np.empty(topk, dtype=np.int64)
+        at = np.empty(n, dtype=np.int64)  # the pool row of each of the sequence's rows
+        for c in range(n):
+            at[c] = np.int64(table[slot[b], c // per_block]) * per_block + c % per_block
         for i in range(block):
             for c in range(n):
                 out[b, i, c] = False
@@ -246,12 +250,12 @@ def _index_select(q, head_w, q_rows, q_valid, slot, table, keys, visible, topk, 
                 continue
             kept = 0
             for c in range(m):
-                key = keys[table[slot[b], c // per_block], c % per_block]
+                r = at[c]
                 total = np.float32(0.0)
                 for h in range(heads):
                     s = np.float32(0.0)
                     for d in range(dim):
-                        s += q[t, h, d] * key[d]
+                        s += q[t, h, d] * flat[r, d]
                     total += max(s, np.float32(0.0)) * scale * head_w[t, h]
                 # Insert after every kept score >= total (an equal score keeps the lower row), if it makes the cut.
                 if kept == topk and total <= best[topk - 1]:
