@@ -137,7 +137,7 @@ def test_parse_bytes_and_bad_budgets():
     [
         ({"kv_cache_memory": "-3GiB"}, "kv_cache_memory must not be negative"),
         ({"kv_cache_memory": "a lot"}, "kv_cache_memory must be a size in bytes such as 20GiB, got 'a lot'"),
-        ({"kv_cache_memory": "100KiB"}, r"kv_cache_memory \(100.00 KiB\) holds 256 tokens, fewer than one request"),
+        ({"kv_cache_memory": "100KiB"}, r"kv_cache_memory \(100.00 KiB\) holds 384 tokens, fewer than one request"),
         (
             {"kv_block_size": 100},
             r"kv_block_size must be a positive multiple of the compression rates \[4, 16\], got 100",
@@ -165,8 +165,8 @@ def _generate(model, **options):
         llm.shutdown()
 
 
-# A block of 256 tokens costs the shipped 8M model's 4 layers 52 KiB; 64 requests of up to 671 tokens take 2 or 3
-# blocks each, so 48 blocks (2.4 MiB) hold about 16 of them at once.
+# 256 tokens cost the shipped 8M model's 4 layers 52 KiB of blocks; 64 requests of up to 671 tokens take 0.4 to 2.6
+# such spans each, so 2.4 MiB holds about 16 of them at once.
 SMALL = 48 * 52 * 1024
 
 
@@ -231,8 +231,9 @@ def test_the_plan_at_a_million_tokens_pages_what_sixteen_chats_hold():
     assert cache["num_blocks"] * sum(cache["block_bytes"]) <= 20 * 2**30
     eight_k, long = cache["requests"]["8192"], cache["requests"]["131072"]
     assert eight_k["bytes_for_16"] <= reserved / 40
-    assert eight_k["held"] == cache["num_blocks"] // (8192 // 256) > 16
-    assert long["held"] == cache["num_blocks"] // (131072 // 256) >= 16
+    block = cache["block_tokens"]
+    assert eight_k["held"] == cache["num_blocks"] // (8192 // block) > 16
+    assert long["held"] == cache["num_blocks"] // (131072 // block) >= 16
     assert cache["requests"][str(1 << 20)]["held"] >= 1
     rows = sum(e.bytes for s in stages for e in s.buffers if e.name.endswith("_rows"))
     assert rows == cache["num_blocks"] * sum(cache["block_bytes"])  # the ledger's pools are the planned blocks
@@ -245,7 +246,7 @@ def test_memory_command_reports_the_paged_cache(capsys):
                  "--max-num-seqs", "16", "--kv-cache-memory", "20GiB"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert (
-        "paged cache: 12192 blocks of 256 tokens (3,121,152 tokens), 20.00 GiB per stage of a 20.00 GiB budget" in out
+        "paged cache: 24385 blocks of 128 tokens (3,121,280 tokens), 20.00 GiB per stage of a 20.00 GiB budget" in out
     )
     assert "requests of 131,072 tokens: the pools hold 23 at once" in out
     assert main(["memory", "--plan", "--config", "deepseek-v4-flash", "--max-model-len", "131072",

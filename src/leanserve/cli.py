@@ -45,7 +45,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         "--kv-block-size",
         type=int,
         default=None,
-        help="tokens per cache block, a multiple of the compression rates (default: 256, rounded up to one)",
+        help="tokens per cache block, a multiple of the compression rates (default: 128, rounded up to one)",
     )
     p.add_argument(
         "--backend",

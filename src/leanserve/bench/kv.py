@@ -1,10 +1,11 @@
-"""`leanserve bench kv`: what the paged cache buys at a fixed cache budget, side by side in one run.
+"""`leanserve bench kv`: what the paged cache buys in the same cache memory, side by side in one run.
 
-The same workload, a mix of many short chats and a few long documents all queued at once, runs twice on the
-same budget:
-  - static: the layout without paging, every slot holding a whole max_model_len sequence, so the budget buys
-    budget / (max_model_len's cache) slots (`max_num_seqs` that many, the pools full);
-  - paged: `--max-num-seqs` slots and pools of the budget's blocks, a sequence holding the blocks for its tokens.
+The same workload, a mix of many short chats and a few long documents all queued at once, runs on:
+  - static: the layout without paging, `--static-seqs` slots each holding a whole max_model_len sequence (the
+    pools full: every slot's blocks its own);
+  - paged: `--max-num-seqs` slots, and pools of what is left of the static arm's cache memory (its `kv_cache`
+    ledger entries) once the paged arm's per-slot windows are paid for, a sequence holding the blocks for its
+    tokens.
 Reported per arm: the most and the mean sequences running per step, the share of the blocks in use that holds
 tokens (mean over steps: the rest is the unfilled end of each sequence's last block), output tokens per second,
 the wall time, preemptions, and whether the greedy tokens match the static arm's; then paged / static ratios.
@@ -22,7 +23,7 @@ import torch
 
 from leanserve.bench.common import print_rows
 from leanserve.bench.options import SHIPPED_MODEL, add_output, int_list
-from leanserve.memory import format_bytes, parse_bytes
+from leanserve.memory import KV_CACHE, format_bytes
 
 
 @dataclass
@@ -44,7 +45,7 @@ HEADERS = {
     "layout": "layout",
     "block_tokens": "block",
     "max_num_seqs": "slots",
-    "kv_cache": "cache budget",
+    "kv_cache": "kv_cache",
     "most_running": "most running",
     "mean_running": "mean running",
     "block_use": "block use",
@@ -99,47 +100,37 @@ def bench_kv(
     max_num_seqs: int,
     short: int,
     long: int,
-    budget: int | None = None,
     dtype: str = "auto",
     seed: int = 0,
     block_sizes: list[int] | None = None,
 ) -> list[KvRow]:
     from leanserve import LLM
-    from leanserve.engine.kv_budget import block_bytes, cache_dtype
-    from leanserve.model.cache import blocks_for
+    from leanserve.engine.kv_budget import window_bytes
 
     common = dict(max_model_len=max_model_len, dtype=dtype, load_progress=False)
-    probe = LLM(model, max_num_seqs=1, **common)  # (its config, dtype and vocabulary)
-    engine = probe.engine
-    cfg, tokens_per_block = engine.model_config, engine.kv.block_tokens
-    itemsize = cache_dtype(engine.config, engine.dtype).itemsize
-    probe.shutdown()
-    per_seq = blocks_for(max_model_len, tokens_per_block) * block_bytes(
-        cfg, list(cfg.layer_types), tokens_per_block, itemsize
-    )
-    budget = static_seqs * per_seq if budget is None else budget
-    slots = budget // per_seq
-    if slots < 1:
-        raise ValueError(
-            f"the cache budget ({format_bytes(budget)}) holds no sequence of max_model_len ({max_model_len})."
-        )
-    requests = workload(short, long, max_model_len, cfg.vocab_size, seed)
-    arms = [("static", tokens_per_block, slots, {})]  # every slot a whole sequence: the pools full, no paging
-    for size in block_sizes or [tokens_per_block]:
-        arms.append(("paged", size, max_num_seqs, {"kv_cache_memory": budget, "kv_block_size": size}))
-    rows, first = [], None
-    for layout, size, seqs, options in arms:
+    rows, first, requests, budget = [], None, None, 0
+    arms = [("static", None, static_seqs)] + [("paged", size, max_num_seqs) for size in block_sizes or [None]]
+    for layout, size, seqs in arms:
+        options = {} if layout == "static" else {"kv_cache_memory": budget, "kv_block_size": size}
         llm = LLM(model, max_num_seqs=seqs, **common, **options)
         try:
+            engine = llm.engine
+            ledger = llm.memory_ledger()
+            cache = sum(s.by_feature().get(KV_CACHE, 0) for s in ledger)
+            if layout == "static":  # the same cache memory for the paged arms: pools and their slots' windows
+                per_slot = window_bytes(ledger) / seqs
+                table = engine.kv.num_blocks // seqs * 4 * max_num_seqs  # (a slot's row of int32 block ids)
+                budget = int(cache - per_slot * max_num_seqs - table)
+                requests = workload(short, long, max_model_len, engine.model_config.vocab_size, seed)
             _run(llm, requests[:2])  # (warm: first-call costs billed to neither arm)
             wall, most, mean, use, out = _run(llm, requests)
-            preempted = llm.engine.scheduler.num_preemptions
+            preempted, block = engine.scheduler.num_preemptions, engine.kv.block_tokens
         finally:
             llm.shutdown()
         first = first or out
         same = sum(a == b for a, b in zip(first, out, strict=True))
         produced = sum(len(t) for t in out)
-        rows.append(KvRow(layout, size, seqs, format_bytes(budget), most, round(mean, 1), f"{use:.0%}",
+        rows.append(KvRow(layout, block, seqs, format_bytes(cache), most, round(mean, 1), f"{use:.0%}",
                           round(produced / wall, 1), round(wall, 2), preempted, f"{same}/{len(requests)}"))  # fmt: skip
     static = rows[0]
     for paged in rows[1:]:
@@ -157,13 +148,8 @@ HELP = "paged cache vs the static layout at one cache budget: concurrency and th
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=SHIPPED_MODEL)
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument(
-        "--kv-cache-memory",
-        default=None,
-        help="the budget (default: what --static-seqs sequences of max_model_len take)",
-    )
     p.add_argument("--static-seqs", type=int, default=8, help="slots the default budget buys in the static layout")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="the paged arm's slots")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="the paged arm's slots")
     p.add_argument("--short", type=int, default=56, help="short chats: prompts of 64-512 tokens, 32-128 out")
     p.add_argument("--long", type=int, default=4, help="long documents: prompts of 1/2 to 7/8 of max_model_len")
     p.add_argument(
@@ -180,9 +166,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be positive.")
     if args.short < 0 or args.long < 0 or args.short + args.long < 3:
         raise ValueError("--short and --long must not be negative, and make at least 3 requests.")
-    budget = None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory, "--kv-cache-memory")
     torch.manual_seed(args.seed)
     rows = bench_kv(args.model, args.max_model_len, args.static_seqs, args.max_num_seqs, args.short, args.long,
-                    budget, args.dtype, args.seed, args.block_sizes)  # fmt: skip
+                    args.dtype, args.seed, args.block_sizes)  # fmt: skip
     print_rows(rows, args.output, HEADERS)
     return 0

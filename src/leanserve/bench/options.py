@@ -32,5 +32,5 @@ def prepare(args: argparse.Namespace) -> None:
 
         torch.set_num_threads(args.threads)
     sizes = getattr(args, "batch_sizes", None) or getattr(args, "tokens", None) or getattr(args, "concurrency", None)
-    if min(sizes or [0]) < 1 or getattr(args, "repeats", 1) < 1 or getattr(args, "requests", 1) < 1:
+    if min(sizes or [1]) < 1 or getattr(args, "repeats", 1) < 1 or getattr(args, "requests", 1) < 1:
         raise ValueError("batch sizes / token counts / concurrency levels, --repeats and --requests must be positive.")

@@ -123,7 +123,7 @@ class EngineConfig:
     kv_cache_memory         bytes of paged cache each stage holds for its layers: an int or a size such as
                             "20GiB" (None: what max_num_seqs sequences of max_model_len take, at most half the
                             memory free when the engine starts; docs/memory.md)
-    kv_block_size           tokens per cache block, a multiple of the model's compression rates (None: 256,
+    kv_block_size           tokens per cache block, a multiple of the model's compression rates (None: 128,
                             rounded up to one)
     """
 

@@ -31,9 +31,10 @@ import torch
 from leanserve.memory import MemoryLedger
 from leanserve.model.config import CSA, HCA, SLIDING, ModelConfig
 
-# Tokens per block, rounded up to a multiple of the model's compression rates: vLLM's and SGLang's page for
-# DeepSeek-V4's compressed caches; docs/memory.md says why.
-BLOCK_TOKENS = 256
+# Tokens per block, rounded up to a multiple of the model's compression rates: DeepSeek-V4's smallest (one row of
+# its HCA layers, rate 128); smaller blocks waste less of a sequence's last block and cost no measurable speed
+# (docs/paged-cache.md, `leanserve bench kv --block-sizes`).
+BLOCK_TOKENS = 128
 
 
 @dataclass(frozen=True)
