@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from leanserve import LLM, SamplingParams
+from leanserve import LLM, SamplingParams, StructuredOutput
 from leanserve.engine.blocks import BlockPool
 from leanserve.engine.runner import StepPlan
 from leanserve.engine.scheduler import Scheduler
@@ -190,14 +190,16 @@ def test_same_tokens_when_preempted_as_with_room_for_everything(options):
 
 
 def _mixed_params(i: int) -> SamplingParams:
-    """Greedy, seeded sampling, penalties (their counts rebuilt after a preemption) and prompt logprobs."""
+    """Greedy, seeded sampling, penalties (their counts rebuilt after a preemption), prompt logprobs and a grammar
+    (its matcher kept while the request waits to be recomputed)."""
     kinds = [
-        dict(temperature=0.0),
-        dict(temperature=0.9, seed=1000 + i),
-        dict(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.2),
-        dict(temperature=0.0, prompt_logprobs=1),
+        dict(temperature=0.0, ignore_eos=True),
+        dict(temperature=0.9, seed=1000 + i, ignore_eos=True),
+        dict(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.2, ignore_eos=True),
+        dict(temperature=0.0, prompt_logprobs=1, ignore_eos=True),
+        dict(temperature=0.0, structured=StructuredOutput("regex", pattern="[a-z]+( [a-z]+){0,80}")),
     ]
-    return SamplingParams(max_tokens=150, ignore_eos=True, **kinds[i % len(kinds)])
+    return SamplingParams(max_tokens=150, **kinds[i % len(kinds)])
 
 
 def _generate_mixed(**options):
@@ -252,3 +254,43 @@ def test_memory_command_reports_the_paged_cache(capsys):
     assert main(["memory", "--plan", "--config", "deepseek-v4-flash", "--max-model-len", "131072",
                  "--max-num-seqs", "16", "--kv-cache-memory", "20GiB"]) == 0  # fmt: skip
     assert "13.44 GiB per stage of a 20.00 GiB budget (all 16 slots' max_model_len fits)" in capsys.readouterr().out
+
+
+def test_the_default_budget_is_what_every_slot_needs_capped_at_half_the_free_memory():
+    from leanserve.engine.config import EngineConfig
+    from leanserve.engine.kv_budget import plan_kv
+    from leanserve.engine.topology import PipelineTopology
+    from leanserve.model.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(MODEL)
+    config = EngineConfig(MODEL, max_num_seqs=8, max_model_len=1024)
+    topology = PipelineTopology.build(cfg, 1)
+    full = plan_kv(cfg, config, topology, 1024, 4)
+    assert full.num_blocks == 8 * (1024 // full.block_tokens) and not full.capped
+    assert full.budget == full.num_blocks * full.block_bytes[0]
+    half = plan_kv(cfg, config, topology, 1024, 4, available=full.budget)  # half of it free
+    assert half.capped and half.budget == full.budget // 2 and half.num_blocks == full.num_blocks // 2
+    with pytest.raises(ConfigError, match=r"the default cache budget \(.*\) holds 512 tokens, fewer than one request"):
+        plan_kv(cfg, config, topology, 1024, 4, available=full.budget // 8 + 1)
+    # Two stages: each gets the blocks its dearer stage's budget buys.
+    two = PipelineTopology.build(cfg, 2)
+    split = plan_kv(cfg, EngineConfig(MODEL, max_num_seqs=8, kv_cache_memory=300_000), two, 1024, 4)
+    assert len(split.block_bytes) == 2 and split.num_blocks == 300_000 // max(split.block_bytes) < 64
+
+
+def test_aborted_and_finished_requests_return_every_block():
+    llm = LLM(MODEL, max_model_len=768, max_num_seqs=8, kv_cache_memory=SMALL, load_progress=False)
+    try:
+        engine, pool = llm.engine, llm.engine.scheduler.blocks
+        ids = [engine.add_request(p["prompt_token_ids"], SamplingParams(max_tokens=50)) for p in PROMPTS[:8]]
+        for _ in range(6):
+            engine.step()
+        assert pool.num_used > 0
+        for i in ids[::2]:
+            engine.abort(i)
+        while engine.has_unfinished:
+            engine.step()
+        stats = llm.cache_stats()
+        assert stats["blocks_free"] == stats["num_blocks"] == pool.num_blocks and stats["blocks_used"] == 0
+    finally:
+        llm.shutdown()

@@ -102,10 +102,13 @@ class LLMEngine:
         self.max_model_len = config.resolved_max_model_len(cfg)
         self.dtype = resolve_dtype(config.dtype, config.model)
         itemsize = cache_dtype(config, self.dtype).itemsize
-        self.kv = plan_kv(cfg, config, self.topology, self.max_model_len, itemsize, available_memory(config.device))
+        free = available_memory(config.device)
+        if free is not None and torch.device(config.device).type == "cpu":  # (the stages share this host's memory)
+            free //= self.topology.num_stages
+        self.kv = plan_kv(cfg, config, self.topology, self.max_model_len, itemsize, free)
         if self.kv.capped:
             logger.info(
-                "paged cache: %s (half the memory free now; kv_cache_memory sets it), %d blocks of %d tokens",
+                "paged cache: %s a stage (half the memory free now; kv_cache_memory sets it), %d blocks of %d tokens",
                 format_bytes(self.kv.budget), self.kv.num_blocks, self.kv.block_tokens,
             )  # fmt: skip
         if self.topology.num_stages > 1 and in_torchrun() and torchrun_rank() != 0:
