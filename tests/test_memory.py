@@ -311,6 +311,7 @@ def test_memory_table_of_a_running_pipeline(tiny_ckpt, capsys):
     out = capsys.readouterr().out
     assert "stage 0: weights" in out and "stage 1: weights" in out
     assert "layers.3.comp_rows" in out and "pp_recv_streams" in out and "target_hidden_states" not in out
+    assert "paged cache: " in out and "bytes per token, every stage: " in out and "requests of 64 tokens" in out
 
 
 def test_memory_rejects_bad_input(tiny_ckpt, capsys):
