@@ -391,7 +391,10 @@ def test_streamed_tokens_concatenate_to_the_final_output(llm, long_greedy):
         (PROMPTS[5], SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)),
         (prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[out[i]], logprobs=1)),
     ]
+    # (each run from the prompts' first tokens: a prefix-cache hit would batch the same computation differently)
+    llm.reset_prefix_cache()
     want = llm.generate([tok_prompt(p) for p, _ in requests], [params for _, params in requests])
+    llm.reset_prefix_cache()
     got = stream(llm.engine, requests)
     assert len(got) == 3
     for (tokens, reason, done), result in zip(got.values(), want, strict=True):

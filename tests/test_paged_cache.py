@@ -159,6 +159,7 @@ def _generate(model, **options):
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, logprobs=0)
         outs = llm.generate(PROMPTS, params)
         sched = llm.engine.scheduler
+        llm.reset_prefix_cache()
         assert sched.blocks.num_free == sched.blocks.num_blocks  # every block back
         return [o.outputs[0].token_ids for o in outs], sched.num_preemptions
     finally:
@@ -290,6 +291,7 @@ def test_aborted_and_finished_requests_return_every_block():
             engine.abort(i)
         while engine.has_unfinished:
             engine.step()
+        llm.reset_prefix_cache()
         stats = llm.cache_stats()
         assert stats["blocks_free"] == stats["num_blocks"] == pool.num_blocks and stats["blocks_used"] == 0
     finally:

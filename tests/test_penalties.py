@@ -185,7 +185,10 @@ def test_a_zero_or_empty_bias_changes_nothing_bit_for_bit(llm, kind):
     base = dict(GREEDY if kind == "greedy" else dict(SAMPLED, seed=3), logprobs=3)
     prompts = [tok_prompt(p) for p in PROMPTS[:3]]
     variants = [None, {}, {7: 0.0, 8: -0.0}]
-    runs = [llm.generate(prompts, SamplingParams(**base, logit_bias=b)) for b in variants]
+    runs = []
+    for b in variants:  # (each run from the prompt's first token: a prefix-cache hit would batch it otherwise)
+        llm.reset_prefix_cache()
+        runs.append(llm.generate(prompts, SamplingParams(**base, logit_bias=b)))
     for run in runs[1:]:
         for a, b in zip(runs[0], run, strict=True):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from leanserve.bench import formats, hidden_copy, kv, pp, spec, spec_cost, step, structured, throughput
+from leanserve.bench import formats, hidden_copy, kv, pp, prefix, spec, spec_cost, step, structured, throughput
 from leanserve.bench import serve as bench_serve
 from leanserve.bench.options import int_list, prepare
 from leanserve.errors import EngineDied, StageFailure
@@ -40,6 +40,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="bytes of paged cache per stage, e.g. 20GiB (default: what --max-num-seqs sequences of "
         "--max-model-len take, at most half the memory free at start-up)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="start a request after the longest prefix kept from earlier ones (default: on, off with a draft model)",
     )
     p.add_argument(
         "--kv-block-size",
@@ -179,6 +185,7 @@ BENCHMARKS = {
     "spec": spec,
     "structured": structured,
     "kv": kv,
+    "prefix": prefix,
 }
 
 
@@ -202,7 +209,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "backend": args.backend,
     }
-    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_block_size"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_block_size", "enable_prefix_caching"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     return kwargs

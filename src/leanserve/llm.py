@@ -45,8 +45,14 @@ class LLM:
         acceptance_rate and mean_acceptance_length (1 + accepted tokens per draft). Zeros without speculation."""
         return self.engine.spec_decode_metrics()
 
+    def reset_prefix_cache(self) -> None:
+        """Drops every prefix the prefix cache keeps (their blocks and saved states become free)."""
+        self.engine.reset_prefix_cache()
+
     def cache_stats(self) -> dict:
-        """The paged cache now: block_tokens, num_blocks, blocks_used, blocks_free, and num_preemptions so far."""
+        """The paged cache now: block_tokens, num_blocks, blocks_used, blocks_free, num_preemptions so far, and the
+        prefix cache's prefix_cache_entries, prefix_cache_queries and prefix_cache_hits (prompt tokens looked up,
+        and found cached) when it is on."""
         return self.engine.cache_stats()
 
     def shutdown(self) -> None:
@@ -140,6 +146,7 @@ class LLM:
             finished=True,
             metrics=seq.metrics,
             prompt_logprobs=prompt_logprob_entries(seq, tok),
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
 

@@ -20,6 +20,7 @@ PIPELINE = "pipeline_parallel"  # staging for streams received from the previous
 SPEC_MTP = "spec_decode:mtp"  # the MTP drafter: its layer cache, the target-hidden buffer, draft probabilities
 SPEC_DRAFT = "spec_decode:draft_model"  # a draft model's caches, tables and draft probabilities
 PENALTIES = "penalties"  # per-slot token counts, only while a running request has presence/frequency/repetition
+PREFIX_CACHE = "prefix_cache"  # the window state at the prefix cache's cut points (engine/prefix_cache.py)
 
 
 @dataclass(frozen=True)

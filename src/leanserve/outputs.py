@@ -43,3 +43,4 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs (vLLM's shape): one entry per prompt token, None for the first (nothing
     # predicts it), else {token id: Logprob} holding the prompt token and the top prompt_logprobs, as `logprobs`.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache gave (vLLM's name)

@@ -2,8 +2,9 @@
 
 A block holds the compressed rows of `block_tokens` consecutive tokens of one sequence, in every layer of every
 stage (each stage allocates the same number of blocks, sized by the smallest stage's share of the budget). A
-running sequence holds the blocks for the positions it has written; it returns them when it finishes, is
-aborted or is preempted. A freed block is reused without clearing: a sequence only reads rows it wrote.
+running sequence holds the blocks for the positions it has written; the prefix cache (engine/prefix_cache.py)
+holds the blocks of the prefixes it keeps. A block is counted once per holder and is free when none holds it; a
+freed block is reused without clearing: a sequence only reads rows it wrote, or rows of a prefix it shares.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class BlockPool:
         # A stack with the lowest block on top: allocation order is deterministic, and a step's new blocks are
         # mostly consecutive.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._holders = [0] * num_blocks  # per block: how many sequences and prefix-cache entries hold it
 
     @property
     def num_free(self) -> int:
@@ -36,7 +38,20 @@ class BlockPool:
         taken = self._free[len(self._free) - n :]
         del self._free[len(self._free) - n :]
         taken.reverse()
+        for b in taken:
+            self._holders[b] = 1
         return taken
 
+    def hold(self, blocks: list[int]) -> None:
+        """One more holder for each of `blocks` (all in use)."""
+        for b in blocks:
+            assert self._holders[b] > 0, f"block {b} is free"
+            self._holders[b] += 1
+
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """One holder fewer for each of `blocks`; those nobody holds any more are free."""
+        for b in reversed(blocks):
+            assert self._holders[b] > 0, f"block {b} is already free"
+            self._holders[b] -= 1
+            if self._holders[b] == 0:
+                self._free.append(b)

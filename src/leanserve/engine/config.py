@@ -125,6 +125,8 @@ class EngineConfig:
                             memory free when the engine starts; docs/memory.md)
     kv_block_size           tokens per cache block, a multiple of the model's compression rates (None: 128,
                             rounded up to one)
+    enable_prefix_caching   a request starts after the longest prefix the engine has kept (docs/prefix-caching.md);
+                            not with a draft model
     """
 
     model: str
@@ -144,6 +146,7 @@ class EngineConfig:
     backend: str = "auto"  # which statement of the model's math each stage runs (model/backend.py)
     kv_cache_memory: int | str | None = None
     kv_block_size: int | None = None
+    enable_prefix_caching: bool | None = None  # None: on, unless a draft model drafts
 
     def __post_init__(self) -> None:
         pp = self.pipeline_parallel_size
@@ -171,9 +174,24 @@ class EngineConfig:
                 object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory"))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        caching, spec = self.enable_prefix_caching, self.speculative_config
+        if caching is not None and not isinstance(caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be true or false, got {caching!r}.")
+        if caching and spec is not None and spec.method == "draft_model":
+            raise ConfigError(
+                "enable_prefix_caching does not work with a draft model (its caches are not kept with a prefix); "
+                "turn one of them off."
+            )
+        if caching is None:
+            object.__setattr__(self, "enable_prefix_caching", spec is None or spec.method != "draft_model")
         size = self.kv_block_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ConfigError(f"kv_block_size must be a positive integer, got {size!r}.")
+
+    @property
+    def prefix_states(self) -> int:
+        """Window states the prefix cache keeps (one per slot), 0 when it is off."""
+        return self.max_num_seqs if self.enable_prefix_caching else 0
 
     @property
     def micro_batches(self) -> int:

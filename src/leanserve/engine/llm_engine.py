@@ -16,6 +16,7 @@ from leanserve.engine.config import EngineConfig, SpeculativeConfig
 from leanserve.engine.grammar import compile_structured, grammar_compiler
 from leanserve.engine.kv_budget import available_memory, cache_dtype, kv_summary, plan_kv, window_bytes
 from leanserve.engine.pipeline import LaunchSpec, PipelineDriver, in_torchrun, serve_torchrun_stage, torchrun_rank
+from leanserve.engine.prefix_cache import PrefixCache
 from leanserve.engine.proposers import NgramProposer, Proposer
 from leanserve.engine.runner import SeqOutput, StageRunner, StepPlan
 from leanserve.engine.scheduler import ScheduledBatch, Scheduler, SeqUpdate
@@ -147,10 +148,9 @@ class LLMEngine:
                 format_weights(m.weights_by_format), format_bytes(m.buffers_bytes), by_feature,
             )  # fmt: skip
         logger.debug("memory ledger:\n%s", format_table(self.memory_ledger()))
-        self.scheduler = Scheduler(
-            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            BlockPool(self.kv.num_blocks, self.kv.block_tokens),
-        )  # fmt: skip
+        pool = BlockPool(self.kv.num_blocks, self.kv.block_tokens)
+        prefix = PrefixCache(pool, config.prefix_states) if config.enable_prefix_caching else None
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, pool, prefix)
         # Micro-batches launched and not yet updated, oldest first: one per stage with pipeline overlap.
         self.micro_batches = config.micro_batches if self.topology.num_stages > 1 else 1
         self._in_flight: deque[ScheduledBatch] = deque()
@@ -268,14 +268,24 @@ class LLMEngine:
         return kv_summary(cfg, self.topology, self.kv, itemsize, self.max_model_len, self.config.max_num_seqs, window)
 
     def cache_stats(self) -> dict:
-        pool = self.scheduler.blocks
-        return {
+        pool, prefix = self.scheduler.blocks, self.scheduler.prefix
+        stats = {
             "block_tokens": pool.block_tokens,
             "num_blocks": pool.num_blocks,
             "blocks_used": pool.num_used,
             "blocks_free": pool.num_free,
             "num_preemptions": self.scheduler.num_preemptions,
         }
+        if prefix is not None:
+            stats.update(
+                prefix_cache_entries=prefix.num_entries, prefix_cache_queries=prefix.queries,
+                prefix_cache_hits=prefix.hits,
+            )  # fmt: skip
+        return stats
+
+    def reset_prefix_cache(self) -> None:
+        if self.scheduler.prefix is not None:
+            self.scheduler.prefix.clear()
 
 
 def check_speculative(spec: SpeculativeConfig | None, cfg: ModelConfig, model_dir: str, weights: bool = True) -> None:

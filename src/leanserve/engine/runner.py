@@ -93,6 +93,10 @@ class StepPlan:
     # The cache blocks sequences took for this step: (slot, first, blocks) says the slot's blocks first, first + 1,
     # ... are `blocks` (every stage's block table takes them before the step runs).
     blocks: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # The prefix cache's copies before the step (ScheduledBatch's): window states saved and restored, block rows.
+    saves: tuple[tuple[int, int], ...] = ()
+    restores: tuple[tuple[int, int, int], ...] = ()
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -128,7 +132,7 @@ class StepPlan:
         blocks = tuple((s.slot, s.first_block, s.new_blocks) for s in batch.seqs if s.new_blocks)
         return cls(
             tuple(chunks), tuple(rows), tuple(samples), tuple(next_tokens), batch.penalty_slots, tuple(prompt),
-            batch.structured, batch.penalty_recount, blocks,
+            batch.structured, batch.penalty_recount, blocks, batch.saves, batch.restores, batch.block_copies,
         )  # fmt: skip
 
 
@@ -171,7 +175,7 @@ class StageRunner:
         self.model.register_tables(ledger)
         num_spec = spec.num_speculative_tokens if spec is not None else 0
         self.geometry = geo = CacheGeometry.build(
-            cfg, config.max_num_seqs, max_model_len, num_spec, num_blocks, config.kv_block_size
+            cfg, config.max_num_seqs, max_model_len, num_spec, num_blocks, config.kv_block_size, config.prefix_states
         )
         full = geo.num_slots * geo.max_blocks
         self.block_table = BlockTable(geo.num_slots, geo.max_blocks, identity=geo.num_blocks == full)
@@ -311,6 +315,8 @@ class StageRunner:
             self.busy_s += time.perf_counter() - start
 
     def _execute(self, plan, received, propose, capture_hidden):
+        if plan.saves or plan.restores or plan.block_copies:
+            self._copy(plan)
         self._check_committed(plan)
         geo = self.geometry
         for slot, first, blocks in plan.blocks:
@@ -373,6 +379,20 @@ class StageRunner:
             out[s.seq_id] = PromptLogprobs(s.first, lp[at:end].copy(), tid[at:end, :m].copy(), tlp[at:end, :m].copy())
             at = end
         return out
+
+    def _copy(self, plan: StepPlan) -> None:
+        """The prefix cache's copies, in every layer's caches: states saved, then restored, then block rows."""
+        caches = self.caches.values()
+        for slot, state in plan.saves:
+            for cache in caches:
+                cache.save_state(slot, state)
+        for state, slot, position in plan.restores:
+            for cache in caches:
+                cache.restore_state(state, slot)
+            self._written[slot] = position
+        for src, dst in plan.block_copies:
+            for cache in caches:
+                cache.copy_block(src, dst)
 
     def _check_committed(self, plan: StepPlan) -> None:
         # Every stage checks the plan against what it has written, so stages cannot drift apart silently.

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from leanserve.engine.blocks import BlockPool
 from leanserve.engine.config import micro_batch_tokens
+from leanserve.engine.prefix_cache import Hit, PrefixCache
 from leanserve.engine.proposers import ProposeItem, Proposer
 from leanserve.engine.sequence import SampledToken, SeqOutput, Sequence, SequenceStatus
 from leanserve.engine.slots import CacheSlots
@@ -57,6 +58,12 @@ class ScheduledBatch:
     # (slot, prompt length) of this batch's chunks that feed a preempted request's output tokens again: its new
     # slot's penalty counts take them (they were counted in the old slot as they were sampled).
     penalty_recount: tuple[tuple[int, int], ...] = ()
+    # The prefix cache's copies, made by every stage before the step, in this order: (slot, saved state) window
+    # states saved, (saved state, slot, position) restored (the slot then holds `position` tokens), and
+    # (block, block) rows copied.
+    saves: tuple[tuple[int, int], ...] = ()
+    restores: tuple[tuple[int, int, int], ...] = ()
+    block_copies: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,9 +94,15 @@ class Scheduler:
     """
 
     def __init__(
-        self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, blocks: BlockPool | None = None
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        blocks: BlockPool | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
-        """blocks None: a pool with room for max_num_seqs sequences of max_model_len (never preempts)."""
+        """blocks None: a pool with room for max_num_seqs sequences of max_model_len (never preempts).
+        prefix_cache None: no prefix caching (nothing hashed or kept)."""
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -106,6 +119,10 @@ class Scheduler:
             blocks = BlockPool(max_num_seqs * blocks_for(max_model_len, BLOCK_TOKENS), BLOCK_TOKENS)
         self.blocks = blocks
         self.num_preemptions = 0  # sequences preempted so far
+        self.prefix = prefix_cache
+        self._saves: list[tuple[int, int]] = []  # the prefix cache's copies for the next batch (ScheduledBatch)
+        self._restores: list[tuple[int, int, int]] = []
+        self._block_copies: list[tuple[int, int]] = []
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # in the order they started running
         self._live: dict[int, Sequence] = {}  # seq_id -> every waiting or running sequence
@@ -182,7 +199,7 @@ class Scheduler:
             if budget == 0 or len(out) == most:
                 break
             if seq.seq_id not in busy and seq.status is SequenceStatus.RUNNING:
-                n = min(seq.num_uncomputed_tokens, budget)
+                n = self._chunk(seq, budget)
                 if n > 0 and self._make_room(seq, seq.num_computed_tokens + n, busy):
                     budget -= self._take(seq, n, out)
         # Drafts only from what is left once every running sequence has its token, so they never starve one; and
@@ -202,7 +219,13 @@ class Scheduler:
         owed = sum(self._blocks_owed(q) for q in self._running)
         while self._waiting and self.slots.num_free > 0 and len(out) < most and budget > 0:
             seq = self._waiting[0]
-            if self._blocks_owed(seq) > self.blocks.num_free - owed:
+            hit = self._lookup(seq)
+            need = self._blocks_owed(seq) - (0 if hit is None else hit.start // self.blocks.block_tokens)
+            while (
+                need > self.blocks.num_free - owed and self.prefix is not None and self.prefix.evict(hit and hit.entry)
+            ):
+                pass
+            if need > self.blocks.num_free - owed:
                 break
             self._waiting.popleft()
             seq.slot = self.slots.allocate()
@@ -212,8 +235,13 @@ class Scheduler:
                 self._penalty_slots.add(seq.slot)
             if seq.params.structured is not None:
                 self._structured.add(seq.seq_id)
-            n = min(seq.num_uncomputed_tokens, budget)
-            self._grow(seq, n)
+            if self.prefix is not None and not seq.num_output_tokens:
+                self.prefix.record(seq.num_prompt_tokens, hit)
+                seq.prefix_cut = self.prefix.shared_boundary(seq.prompt_token_ids, hit.start if hit else 0)
+            if hit is not None:
+                self._resume(seq, hit)
+            n = self._chunk(seq, budget)
+            self._grow(seq, seq.num_computed_tokens + n)
             budget -= self._take(seq, n, out)
             owed += self._blocks_owed(seq)
         if not out:
@@ -224,7 +252,9 @@ class Scheduler:
         if self._recomputing:
             recount = tuple(self._recount(s) for s in out if s.seq.seq_id in self._recomputing)
             recount = tuple(r for r in recount if r is not None)
-        return ScheduledBatch(tuple(out), total - budget, penalty_slots, structured, recount)
+        copies = tuple(self._saves), tuple(self._restores), tuple(self._block_copies)
+        self._saves, self._restores, self._block_copies = [], [], []
+        return ScheduledBatch(tuple(out), total - budget, penalty_slots, structured, recount, *copies)
 
     def _recount(self, s: ScheduledSeq) -> tuple[int, int] | None:
         seq = s.seq
@@ -260,6 +290,9 @@ class Scheduler:
             if out is not None and out.prompt_logprobs is not None:
                 seq.prompt_logprobs.append(out.prompt_logprobs)
             if not s.is_sampled:
+                if seq.prefix_cut and seq.num_computed_tokens == seq.prefix_cut:  # (a shared prefix: kept)
+                    self._keep(seq, seq.prefix_cut)
+                    seq.prefix_cut = 0
                 if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
                     updates.append(SeqUpdate(seq, (), "length"))  # scored, nothing to generate
                     self._running.remove(seq)
@@ -270,6 +303,11 @@ class Scheduler:
             # (rejected ones are left behind, to be overwritten: the cache is addressed by position).
             seq.num_computed_tokens += len(new) - 1
             updates.append(SeqUpdate(seq, new, reason))
+            if self.prefix is not None:  # the cut points: the prompt in (its own step), the request finished
+                if s.start + len(s.fed_token_ids) == seq.num_prompt_tokens and not s.num_drafts:
+                    self._keep(seq, seq.num_prompt_tokens)
+                if reason is not None and seq.num_computed_tokens > seq.num_prompt_tokens:
+                    self._keep(seq, seq.num_computed_tokens)
             if reason is not None:
                 self._running.remove(seq)
                 self._finish(seq, reason)
@@ -289,6 +327,14 @@ class Scheduler:
             for seq_id, d in drafts.items():
                 self._live[seq_id].spec_token_ids = tuple(d)
         return updates
+
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> int:
+        """The tokens seq's next step feeds: what it has left, within the budget, up to its prefix cut."""
+        n = min(seq.num_uncomputed_tokens, budget)
+        if seq.num_computed_tokens < seq.prefix_cut:
+            n = min(n, seq.prefix_cut - seq.num_computed_tokens)
+        return n
 
     def _take(self, seq: Sequence, n: int, out: list[ScheduledSeq]) -> int:
         # Schedules the next n tokens of a RUNNING seq (holding the blocks they write) into out; returns n.
@@ -310,10 +356,39 @@ class Scheduler:
         need = self.blocks.blocks_for(tokens) - len(seq.blocks)
         if need <= 0:
             return True
+        while need > self.blocks.num_free and self.prefix is not None and self.prefix.evict():
+            pass
         if need > self.blocks.num_free:
             return False
         seq.blocks.extend(self.blocks.allocate(need))
         return True
+
+    # --- the prefix cache (engine/prefix_cache.py) --------------------------------------------------------
+    def _lookup(self, seq: Sequence) -> Hit | None:
+        p = seq.params
+        if self.prefix is None or seq.num_computed_tokens or p.has_penalties or p.prompt_logprobs is not None:
+            return None
+        return self.prefix.lookup(seq.all_token_ids)
+
+    def _resume(self, seq: Sequence, hit: Hit) -> None:
+        """seq (just given a slot) starts at hit.start: the entry's window state restored into its slot, its
+        full blocks before that position shared, the block holding it copied."""
+        b = hit.start // self.blocks.block_tokens
+        shared = hit.entry.blocks[:b]
+        self.blocks.hold(shared)
+        seq.blocks = shared + self.blocks.allocate(1)
+        self._restores.append((hit.entry.state, seq.slot, hit.start))
+        self._block_copies.append((hit.entry.blocks[b], seq.blocks[b]))
+        seq.num_computed_tokens = hit.start
+        if not seq.num_output_tokens:
+            seq.num_cached_tokens = hit.start
+
+    def _keep(self, seq: Sequence, length: int) -> None:
+        """The prefix cache keeps seq's first `length` tokens, its window state saved from its slot before the
+        next step."""
+        state = self.prefix.insert(seq.token_ids_between(0, length), seq.blocks)
+        if state is not None:
+            self._saves.append((seq.slot, state))
 
     def _make_room(self, seq: Sequence, tokens: int, busy: Set[int]) -> bool:
         """_grow(seq, tokens), preempting the most recently admitted running sequences not in flight until the

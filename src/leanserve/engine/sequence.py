@@ -76,6 +76,8 @@ class Sequence:
     slot: int | None = None  # index into the per-slot cache tensors while RUNNING
     blocks: list[int] = field(default_factory=list)  # cache blocks held while RUNNING, in position order
     num_blocks_sent: int = 0  # of `blocks`, how many a scheduled step has announced to the stages
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache gave it (engine/prefix_cache.py)
+    prefix_cut: int = 0  # a block boundary its prefill stops at for the prefix cache to keep (0: none)
     # Draft tokens proposed for the positions after the newest token, verified by the next step.
     spec_token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None  # "stop" | "length" | "abort" once FINISHED

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from leanserve.memory import MemoryLedger
+from leanserve.memory import PREFIX_CACHE, MemoryLedger
 from leanserve.model.config import CSA, HCA, SLIDING, ModelConfig
 
 # Tokens per block, rounded up to a multiple of the model's compression rates: DeepSeek-V4's smallest (one row of
@@ -49,6 +49,7 @@ class CacheGeometry:
     compress: dict[str, tuple[int, int, int]]
     block_tokens: int = BLOCK_TOKENS  # T
     num_blocks: int = 0  # blocks in each pool
+    num_states: int = 0  # saved window states (the prefix cache's; 0 when it is off)
 
     @property
     def max_blocks(self) -> int:
@@ -64,6 +65,7 @@ class CacheGeometry:
         num_spec_tokens: int = 0,
         num_blocks: int | None = None,
         block_tokens: int | None = None,
+        num_states: int = 0,
     ) -> CacheGeometry:
         """num_blocks None: every slot can hold max_model_len tokens at once (the pools' largest useful size);
         block_tokens None: the model's default (default_block_tokens)."""
@@ -83,6 +85,7 @@ class CacheGeometry:
             compress=compress,
             block_tokens=block_tokens,
             num_blocks=most if num_blocks is None else num_blocks,
+            num_states=num_states,
         )
 
 
@@ -134,6 +137,10 @@ def paged_rows(pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, n: 
     return pool.view(-1, pool.shape[-1])[blocks * per_block + row % per_block]
 
 
+PER_SLOT = ("window_kv", "comp_kv", "comp_gate", "idx_kv", "idx_gate")  # a slot's window state
+POOLED = ("comp_rows", "idx_rows")
+
+
 @dataclass
 class LayerCache:
     window_kv: torch.Tensor
@@ -143,9 +150,28 @@ class LayerCache:
     idx_kv: torch.Tensor | None = None
     idx_gate: torch.Tensor | None = None
     idx_rows: torch.Tensor | None = None
+    # Saved window states [num_states, ...] of each per-slot tensor, by its name (the prefix cache's; None when off)
+    states: dict[str, torch.Tensor] | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in vars(self).items() if v is not None}
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+
+    def save_state(self, slot: int, state: int) -> None:
+        """Copies slot `slot`'s window state (its rings) into saved state `state`."""
+        for name, saved in self.states.items():
+            saved[state].copy_(getattr(self, name)[slot])
+
+    def restore_state(self, state: int, slot: int) -> None:
+        """Copies saved state `state` into slot `slot`'s rings."""
+        for name, saved in self.states.items():
+            getattr(self, name)[slot].copy_(saved[state])
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copies pool block `src`'s rows into block `dst`."""
+        for name in POOLED:
+            pool = getattr(self, name)
+            if pool is not None:
+                pool[dst].copy_(pool[src])
 
 
 def allocate_layer_cache(
@@ -163,14 +189,19 @@ def allocate_layer_cache(
         return ledger.zeros(f"{owner}.{name}", owner, feature, (count, *shape), dtype)
 
     cache = LayerCache(window_kv=empty("window_kv", geo.window_ring, cfg.head_dim))
-    if layer_type == SLIDING:
-        return cache
-    _, ring, per_block = geo.compress[layer_type]
-    width = 2 * cfg.head_dim if layer_type == CSA else cfg.head_dim
-    cache.comp_kv, cache.comp_gate = empty("comp_kv", ring, width), empty("comp_gate", ring, width)
-    cache.comp_rows = empty("comp_rows", per_block, cfg.head_dim, count=geo.num_blocks)
-    if layer_type == CSA:
-        cache.idx_kv = empty("idx_kv", ring, 2 * cfg.index_head_dim)
-        cache.idx_gate = empty("idx_gate", ring, 2 * cfg.index_head_dim)
-        cache.idx_rows = empty("idx_rows", per_block, cfg.index_head_dim, count=geo.num_blocks)
+    if layer_type != SLIDING:
+        _, ring, per_block = geo.compress[layer_type]
+        width = 2 * cfg.head_dim if layer_type == CSA else cfg.head_dim
+        cache.comp_kv, cache.comp_gate = empty("comp_kv", ring, width), empty("comp_gate", ring, width)
+        cache.comp_rows = empty("comp_rows", per_block, cfg.head_dim, count=geo.num_blocks)
+        if layer_type == CSA:
+            cache.idx_kv = empty("idx_kv", ring, 2 * cfg.index_head_dim)
+            cache.idx_gate = empty("idx_gate", ring, 2 * cfg.index_head_dim)
+            cache.idx_rows = empty("idx_rows", per_block, cfg.index_head_dim, count=geo.num_blocks)
+    if geo.num_states:
+        cache.states = {
+            name: ledger.zeros(f"{owner}.{name}_states", owner, PREFIX_CACHE, (geo.num_states, *t.shape[1:]), dtype)
+            for name in PER_SLOT
+            if (t := getattr(cache, name)) is not None
+        }
     return cache

@@ -219,6 +219,7 @@ async def _run_choice(choice: Choice, gen, on_delta, metrics: ServerMetrics) -> 
                 metrics.generation_tokens(len(delta.tokens))
             if delta.prompt_logprobs is not None:
                 choice.prompt_logprobs = delta.prompt_logprobs
+            choice.cached_tokens = max(choice.cached_tokens, delta.cached_tokens)
             text, entries = choice.add(delta.tokens, delta.finish_reason)
             await on_delta(choice, text, entries)
             if choice.done:
@@ -257,7 +258,9 @@ def _echo(req: GenRequest, choice: Choice) -> tuple[str, list[dict]]:
 
 
 def _usage(req: GenRequest, choices: list[Choice]) -> dict:
-    return protocol.usage(sum(len(p) for p in req.prompts), sum(len(c.token_ids) for c in choices))
+    # (each prompt counted once, as in prompt_tokens: its cached tokens are its first choice's)
+    cached = sum(c.cached_tokens for c in choices if c.index % req.n == 0)
+    return protocol.usage(sum(len(p) for p in req.prompts), sum(len(c.token_ids) for c in choices), cached)
 
 
 def _finish(choice: Choice, called_tools: bool = False) -> str:

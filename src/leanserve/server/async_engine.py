@@ -43,6 +43,7 @@ class Delta:
     finish_reason: str | None = None
     error: str | None = None
     prompt_logprobs: list | None = None  # on the first delta of a request that asked for them
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave the request
 
 
 @dataclass
@@ -180,7 +181,8 @@ class AsyncEngine:
                 prompt_lps = None
                 if update.seq.params.prompt_logprobs is not None and not stream.scored:
                     prompt_lps, stream.scored = prompt_logprob_entries(update.seq, self.engine.tokenizer), True
-                stream.queue.put_nowait(Delta(stream.held, update.finish_reason, prompt_logprobs=prompt_lps))
+                cached = update.seq.num_cached_tokens
+                stream.queue.put_nowait(Delta(stream.held, update.finish_reason, None, prompt_lps, cached))
                 stream.held, stream.sent_at, handed_on = [], now, True
             if update.finished:
                 del self._streams[update.seq.seq_id]

@@ -31,6 +31,7 @@ class Choice:
     pending: list[dict] = dataclasses.field(default_factory=list)  # logprob entries not yet released
     released_tokens: int = 0
     prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs' entries, when the request asked
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave it
 
     def __post_init__(self) -> None:
         self._detok = (

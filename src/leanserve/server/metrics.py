@@ -62,14 +62,29 @@ class ServerMetrics:
             "leanserve_num_preemptions", "Sequences preempted (blocks ran out; recomputed later)", registry=r
         )
         self._preempted = 0
+        self.prefix = None
+        if engine.scheduler.prefix is not None:
+            self.prefix = {
+                "queries": Counter(
+                    "leanserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+                ),
+                "hits": Counter("leanserve_prefix_cache_hits", "Prompt tokens the prefix cache gave", registry=r),
+            }
+            self._prefix_seen = {"queries": 0, "hits": 0}
 
     # Called on the engine-loop thread after each step.
     def on_step(self, seconds: float) -> None:
         self.step.observe(seconds)
-        preempted = self._engine.scheduler.num_preemptions
-        if preempted > self._preempted:
-            self.preemptions.inc(preempted - self._preempted)
-            self._preempted = preempted
+        sched = self._engine.scheduler
+        if sched.num_preemptions > self._preempted:
+            self.preemptions.inc(sched.num_preemptions - self._preempted)
+            self._preempted = sched.num_preemptions
+        if self.prefix is not None:
+            for key, counter in self.prefix.items():
+                now = getattr(sched.prefix, key)
+                if now > self._prefix_seen[key]:
+                    counter.inc(now - self._prefix_seen[key])
+                    self._prefix_seen[key] = now
         if self.spec is not None:
             m = self._engine.spec_decode_metrics()
             for key, gauge in self.spec.items():
