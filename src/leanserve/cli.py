@@ -391,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         add_options(sub.add_parser(name, help=help_line))
     args = parser.parse_args(argv)
     logging.basicConfig(format="leanserve: %(message)s", level=args.log_level.upper())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # (the benchmarks' clients: a line per request at INFO)
     try:
         return COMMANDS[args.command][2](args)
     except ValueError as e:  # user errors: config, checkpoint, prompt, sampling parameters

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import random
 import socket
 import statistics
@@ -121,7 +120,6 @@ def bench_prefix(
         raise ValueError("bench prefix needs the openai client (pip install 'openai>=1.40').") from None
     from leanserve.tokenizer import Tokenizer
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # (the client logs every request at INFO)
     rng = random.Random(seed)
     text = " ".join(rng.choice(WORDS) for _ in range(4 * prompt_tokens))
     tokenizer = Tokenizer.from_dir(model)

@@ -351,6 +351,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="instead: ms/token of one stream through the server next to the offline engine's decode, side by side",
     )
     p.add_argument("--repeats", type=int, default=5, help="--vs-engine: rounds of the alternating arms")
+    p.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="leave the server's prefix cache on (off by default here: the levels send the same prompts, which would "
+        "hit from the second level on)",
+    )
     add_output(p)
 
 
@@ -365,8 +371,7 @@ def run(args: argparse.Namespace) -> int:
     max_tokens = 32 if args.max_tokens is None else args.max_tokens
     if max_tokens < 1 or args.prompt_len < 1:
         raise ValueError("--prompt-len and --max-tokens must be positive.")
-    rows = serve_bench(
-        args.model, args.concurrency, args.requests, max_tokens, args.prompt_len, ["--dtype", args.dtype]
-    )
+    server_args = ["--dtype", args.dtype] + ([] if args.prefix_caching else ["--no-enable-prefix-caching"])
+    rows = serve_bench(args.model, args.concurrency, args.requests, max_tokens, args.prompt_len, server_args)
     print_rows(rows, args.output, SERVE_HEADERS)
     return 0
