@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from leanserve.engine.blocks import BlockPool
 from leanserve.engine.config import micro_batch_tokens
-from leanserve.engine.prefix_cache import Hit, PrefixCache
+from leanserve.engine.kv_manager import KvCacheManager
+from leanserve.engine.prefix_cache import PrefixCache
 from leanserve.engine.proposers import ProposeItem, Proposer
 from leanserve.engine.sequence import SampledToken, SeqOutput, Sequence, SequenceStatus
 from leanserve.engine.slots import CacheSlots
@@ -117,12 +118,9 @@ class Scheduler:
         self.slots = CacheSlots(max_num_seqs)
         if blocks is None:
             blocks = BlockPool(max_num_seqs * blocks_for(max_model_len, BLOCK_TOKENS), BLOCK_TOKENS)
-        self.blocks = blocks
+        self.kv = KvCacheManager(blocks, prefix_cache)
+        self.blocks, self.prefix = blocks, prefix_cache
         self.num_preemptions = 0  # sequences preempted so far
-        self.prefix = prefix_cache
-        self._saves: list[tuple[int, int]] = []  # the prefix cache's copies for the next batch (ScheduledBatch)
-        self._restores: list[tuple[int, int, int]] = []
-        self._block_copies: list[tuple[int, int]] = []
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # in the order they started running
         self._live: dict[int, Sequence] = {}  # seq_id -> every waiting or running sequence
@@ -210,22 +208,17 @@ class Scheduler:
             extra = self._drafts(s, budget)
             if extra:
                 end = s.start + len(s.fed_token_ids)
-                if not self._grow(s.seq, end + len(extra)):
+                if not self.kv.grow(s.seq, end + len(extra)):
                     extra = extra[: len(s.seq.blocks) * self.blocks.block_tokens - end]
                 if extra:
                     out[i] = self._announce(dataclasses.replace(s, draft_token_ids=extra))
                     budget -= len(extra)
         # Blocks the running sequences still prefilling will take for the rest of their tokens.
-        owed = sum(self._blocks_owed(q) for q in self._running)
+        owed = sum(self.kv.owed(q) for q in self._running)
         while self._waiting and self.slots.num_free > 0 and len(out) < most and budget > 0:
             seq = self._waiting[0]
-            hit = self._lookup(seq)
-            need = self._blocks_owed(seq) - (0 if hit is None else hit.start // self.blocks.block_tokens)
-            while (
-                need > self.blocks.num_free - owed and self.prefix is not None and self.prefix.evict(hit and hit.entry)
-            ):
-                pass
-            if need > self.blocks.num_free - owed:
+            hit = self.kv.lookup(seq)
+            if not self.kv.make_free(self.kv.blocks_to_admit(seq, hit) + owed, hit):
                 break
             self._waiting.popleft()
             seq.slot = self.slots.allocate()
@@ -235,15 +228,11 @@ class Scheduler:
                 self._penalty_slots.add(seq.slot)
             if seq.params.structured is not None:
                 self._structured.add(seq.seq_id)
-            if self.prefix is not None and not seq.num_output_tokens:
-                self.prefix.record(seq.num_prompt_tokens, hit)
-                seq.prefix_cut = self.prefix.shared_boundary(seq.prompt_token_ids, hit.start if hit else 0)
-            if hit is not None:
-                self._resume(seq, hit)
+            self.kv.admitted(seq, hit)
             n = self._chunk(seq, budget)
-            self._grow(seq, seq.num_computed_tokens + n)
+            self.kv.grow(seq, seq.num_computed_tokens + n)
             budget -= self._take(seq, n, out)
-            owed += self._blocks_owed(seq)
+            owed += self.kv.owed(seq)
         if not out:
             return None
         penalty_slots = tuple(sorted(self._penalty_slots)) if self._penalty_slots else ()
@@ -252,9 +241,7 @@ class Scheduler:
         if self._recomputing:
             recount = tuple(self._recount(s) for s in out if s.seq.seq_id in self._recomputing)
             recount = tuple(r for r in recount if r is not None)
-        copies = tuple(self._saves), tuple(self._restores), tuple(self._block_copies)
-        self._saves, self._restores, self._block_copies = [], [], []
-        return ScheduledBatch(tuple(out), total - budget, penalty_slots, structured, recount, *copies)
+        return ScheduledBatch(tuple(out), total - budget, penalty_slots, structured, recount, *self.kv.take_copies())
 
     def _recount(self, s: ScheduledSeq) -> tuple[int, int] | None:
         seq = s.seq
@@ -290,9 +277,7 @@ class Scheduler:
             if out is not None and out.prompt_logprobs is not None:
                 seq.prompt_logprobs.append(out.prompt_logprobs)
             if not s.is_sampled:
-                if seq.prefix_cut and seq.num_computed_tokens == seq.prefix_cut:  # (a shared prefix: kept)
-                    self._keep(seq, seq.prefix_cut)
-                    seq.prefix_cut = 0
+                self.kv.committed(seq, seq.num_computed_tokens, finished=False)
                 if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
                     updates.append(SeqUpdate(seq, (), "length"))  # scored, nothing to generate
                     self._running.remove(seq)
@@ -303,11 +288,7 @@ class Scheduler:
             # (rejected ones are left behind, to be overwritten: the cache is addressed by position).
             seq.num_computed_tokens += len(new) - 1
             updates.append(SeqUpdate(seq, new, reason))
-            if self.prefix is not None:  # the cut points: the prompt in (its own step), the request finished
-                if s.start + len(s.fed_token_ids) == seq.num_prompt_tokens and not s.num_drafts:
-                    self._keep(seq, seq.num_prompt_tokens)
-                if reason is not None and seq.num_computed_tokens > seq.num_prompt_tokens:
-                    self._keep(seq, seq.num_computed_tokens)
+            self.kv.committed(seq, s.start + len(s.fed_token_ids), finished=reason is not None)
             if reason is not None:
                 self._running.remove(seq)
                 self._finish(seq, reason)
@@ -351,49 +332,10 @@ class Scheduler:
         return n
 
     # --- blocks -------------------------------------------------------------------------------------------
-    def _grow(self, seq: Sequence, tokens: int) -> bool:
-        """Gives seq the blocks for its first `tokens` positions; False (taking none) when too few are free."""
-        need = self.blocks.blocks_for(tokens) - len(seq.blocks)
-        if need <= 0:
-            return True
-        while need > self.blocks.num_free and self.prefix is not None and self.prefix.evict():
-            pass
-        if need > self.blocks.num_free:
-            return False
-        seq.blocks.extend(self.blocks.allocate(need))
-        return True
-
-    # --- the prefix cache (engine/prefix_cache.py) --------------------------------------------------------
-    def _lookup(self, seq: Sequence) -> Hit | None:
-        p = seq.params
-        if self.prefix is None or seq.num_computed_tokens or p.has_penalties or p.prompt_logprobs is not None:
-            return None
-        return self.prefix.lookup(seq.all_token_ids)
-
-    def _resume(self, seq: Sequence, hit: Hit) -> None:
-        """seq (just given a slot) starts at hit.start: the entry's window state restored into its slot, its
-        full blocks before that position shared, the block holding it copied."""
-        b = hit.start // self.blocks.block_tokens
-        shared = hit.entry.blocks[:b]
-        self.blocks.hold(shared)
-        seq.blocks = shared + self.blocks.allocate(1)
-        self._restores.append((hit.entry.state, seq.slot, hit.start))
-        self._block_copies.append((hit.entry.blocks[b], seq.blocks[b]))
-        seq.num_computed_tokens = hit.start
-        if not seq.num_output_tokens:
-            seq.num_cached_tokens = hit.start
-
-    def _keep(self, seq: Sequence, length: int) -> None:
-        """The prefix cache keeps seq's first `length` tokens, its window state saved from its slot before the
-        next step."""
-        state = self.prefix.insert(seq.token_ids_between(0, length), seq.blocks)
-        if state is not None:
-            self._saves.append((seq.slot, state))
-
     def _make_room(self, seq: Sequence, tokens: int, busy: Set[int]) -> bool:
-        """_grow(seq, tokens), preempting the most recently admitted running sequences not in flight until the
+        """kv.grow(seq, tokens), preempting the most recently admitted running sequences not in flight until the
         blocks are free; False when seq itself had to go."""
-        while not self._grow(seq, tokens):
+        while not self.kv.grow(seq, tokens):
             victim = next(q for q in reversed(self._running) if q is seq or q.seq_id not in busy)
             self._preempt(victim)
             if victim is seq:
@@ -409,12 +351,6 @@ class Scheduler:
         first, seq.num_blocks_sent = seq.num_blocks_sent, len(seq.blocks)
         first_block = s.first_block if s.new_blocks else first  # (drafts' blocks continue the chunk's)
         return dataclasses.replace(s, first_block=first_block, new_blocks=s.new_blocks + tuple(seq.blocks[first:]))
-
-    def _blocks_owed(self, seq: Sequence) -> int:
-        """Blocks seq will still take to hold every token it knows (0 once prefilled: decoding grows by preempting)."""
-        if seq.num_computed_tokens >= seq.num_tokens - 1 and seq.status is SequenceStatus.RUNNING:
-            return 0
-        return max(0, self.blocks.blocks_for(seq.num_tokens) - len(seq.blocks))
 
     def _preempt(self, seq: Sequence) -> None:
         """Back to the head of the queue with its tokens (to prefill them again): its slot and blocks freed."""
@@ -433,9 +369,7 @@ class Scheduler:
             self._penalty_slots.discard(seq.slot)
             self.slots.free(seq.slot)
             seq.slot = None
-        self.blocks.free(seq.blocks)
-        seq.blocks = []
-        seq.num_blocks_sent = 0
+        self.kv.release(seq)
 
     @staticmethod
     def _drafts(s: ScheduledSeq, budget: int) -> tuple[int, ...]:
