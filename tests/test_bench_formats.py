@@ -37,3 +37,32 @@ def test_bench_config_is_flash_per_layer():
     assert (cfg.o_groups, cfg.o_lora_rank, cfg.index_n_heads, cfg.index_head_dim) == (8, 1024, 64, 128)
     assert (cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok) == (2048, 16, 6)
     assert cfg.quantization is None and not cfg.has_mtp and cfg.vocab_size == 1024
+
+
+def test_the_kernel_profile_counts_every_decode_call_and_its_weight_bytes():
+    """`bench formats --profile`'s accounting: a 4-layer model decoding one token a step calls the MoE 4 times a
+    step, the head once, and each call's bytes are its weights' (the MoE's: router, top-k experts, shared one)."""
+    from pathlib import Path
+
+    from leanserve import LLM, SamplingParams
+    from leanserve.bench.profile import kernel_profile, moe_bytes, profile_rows
+    from leanserve.model.backends.cpu import decode
+
+    model = str(Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-8m")
+    llm = LLM(model, max_model_len=64, max_num_seqs=1, load_progress=False, enable_prefix_caching=False)
+    try:
+        steps = 5  # a one-token prompt: every step is a decode-path step of one token
+        with kernel_profile() as totals:
+            llm.generate([{"prompt_token_ids": [7]}], SamplingParams(max_tokens=steps, ignore_eos=True))
+        assert decode.moe.__name__ == "moe"  # (the profile put every function back)
+        model, cfg = llm.engine.executor.runner.model, llm.engine.model_config
+        moe = totals["moe (router, experts, shared expert)"]
+        assert moe[0] == cfg.num_hidden_layers * steps
+        assert moe[2] == steps * sum(moe_bytes(block.ffn.weights()) for block in model.layers.values())
+        head = [v for k, v in totals.items() if k.startswith("linear") and k.endswith(f"-> {cfg.vocab_size}]")]
+        assert len(head) == 1 and head[0][0] == steps
+        assert head[0][2] == steps * cfg.vocab_size * cfg.hidden_size * model.head.weight.element_size()
+        rows = profile_rows(totals, steps, 1.0)
+        assert rows[-1].kernel == "rest of the step" and rows[0].ms >= rows[1].ms
+    finally:
+        llm.shutdown()

@@ -20,7 +20,7 @@ import dataclasses
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ import torch
 
 from leanserve.bench.common import print_rows
 from leanserve.bench.options import add_output, add_threads, int_list
+from leanserve.bench.profile import PROFILE_HEADERS
 from leanserve.model.config import CSA, HCA, MOE, ModelConfig
 
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v4-flash.json"
@@ -256,9 +257,11 @@ def formats_bench(
     prompt_len: int = 16,
     seed: int = 0,
     log=print,
+    profile: list | None = None,
 ) -> tuple[list[FormatRow], list[str]]:
     """(rows, notes): decode tok/s of the published and bf16 checkpoints of bench_config's model at each batch
-    size, with the batch-1 bytes per token, GB/s and share of the measured memory bandwidth."""
+    size, with the batch-1 bytes per token, GB/s and share of the measured memory bandwidth. `profile`, a list:
+    the published format's batch-1 step kernel by kernel is appended to it (bench/profile.py), after the timings."""
     root = Path(root)
     cfg = bench_config(layers, experts, vocab_size)
     flash = ModelConfig.from_json_file(FLASH_CONFIG)
@@ -283,6 +286,8 @@ def formats_bench(
                     times[f].append(decoders[f]())
             medians |= {(f, batch): statistics.median(v) for f, v in times.items()}
             bws.append(memory_bandwidth())
+        if profile is not None and "published" in runners:
+            profile += _profile(runners["published"], prompt_len, rounds)
         del runners
     bw = {k: max(b[k] for b in bws) for k in bws[0]}
     per_token = {f: token_bytes(cfg, published=f == "published") for f in FORMATS}
@@ -322,6 +327,16 @@ def formats_bench(
     return rows, notes
 
 
+def _profile(runner, prompt_len: int, rounds: int) -> list:
+    from leanserve.bench.profile import kernel_profile, profile_rows
+
+    decoder = _Decoder(runner, 1, prompt_len)
+    decoder(), decoder()  # (warm-up)
+    with kernel_profile() as totals:
+        seconds = sum(decoder() for _ in range(rounds))
+    return profile_rows(totals, rounds, seconds / rounds)
+
+
 def _mem_available() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -348,6 +363,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--batch-sizes", type=int_list, default=[1, 8])
     p.add_argument("--rounds", type=int, default=20, help="decode steps per format and batch size")
+    p.add_argument("--profile", action="store_true", help="also: the published format's batch-1 step, kernel by kernel")
     add_threads(p)
     add_output(p)
 
@@ -356,13 +372,19 @@ def run(args: argparse.Namespace) -> int:
     if min(args.layers, args.experts, args.rounds, args.vocab_size or 1) < 1:
         raise ValueError("--layers, --experts, --rounds and --vocab-size must be positive.")
     log = print if args.output == "table" else (lambda *a: None)
+    profile = [] if args.profile else None
     rows, notes = formats_bench(
-        args.dir, args.batch_sizes, args.layers, args.experts, args.vocab_size, args.rounds, log=log
+        args.dir, args.batch_sizes, args.layers, args.experts, args.vocab_size, args.rounds, log=log, profile=profile
     )
     if args.output == "json":
-        print(rows_json(rows, notes))
+        print(rows_json(rows, notes) if profile is None else json.dumps(
+            {**json.loads(rows_json(rows, notes)), "profile": [asdict(r) for r in profile]}
+        ))  # fmt: skip
     else:
         for line in notes:
             print(f"# {line}")
         print_rows(rows, args.output, FORMAT_HEADERS)
+        if profile:
+            print("# the published format's batch-1 step, kernel by kernel (wall-clock time of each call)")
+            print_rows(profile, "table", PROFILE_HEADERS)
     return 0

@@ -1,0 +1,124 @@
+"""Where a CPU decode step's time goes, kernel by kernel, against the bytes each one reads (`bench formats
+--profile`): the step's pieces on the CPU backend's decode path (model/backends/cpu/decode.py) and the linears
+(kernels `Matmuls`, the head's too) are timed while the step runs, each call in wall-clock time; the rest of the
+step (metadata, sampling, Python between the calls) is reported as one row.
+
+Bytes are the weights a call reads (every byte of a linear's weight; for the MoE its router, the top-k routed
+experts per token and the shared expert, as `token_bytes` counts them); kernels whose reads are activations or
+caches (attention, norms, RoPE, mHC) show none."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ProfileRow:
+    kernel: str
+    calls: float  # per step
+    ms: float  # per step
+    share: float  # of the step
+    mb: float | None  # weight bytes read per step
+    gb_s: float | None
+
+
+PROFILE_HEADERS = {
+    "kernel": "kernel",
+    "calls": "calls/step",
+    "ms": "ms/step",
+    "share": "of step",
+    "mb": "MB/step",
+    "gb_s": "GB/s",
+}
+
+
+def _arrays(w) -> list:
+    """A weight's arrays (numpy or torch): itself, or a quantized weight's values and scales."""
+    if isinstance(w, np.ndarray | torch.Tensor):
+        return [w]
+    return [v for v in vars(w).values() if isinstance(v, np.ndarray | torch.Tensor)] if hasattr(w, "__dict__") else []
+
+
+def weight_bytes(w) -> int:
+    """Bytes of a weight as stored (an array, or a quantized weight's values and scales)."""
+    return sum(int(a.nbytes) for a in _arrays(w))
+
+
+def _expert_count(w) -> int:
+    return _arrays(w)[0].shape[0]
+
+
+def moe_bytes(w) -> int:
+    """A batch-1 token's MoE reads: the router, top_k of the routed experts, the shared expert."""
+    routed = weight_bytes(w.w13) + weight_bytes(w.w2)
+    shared = sum(weight_bytes(x) for x in (w.shared_w1, w.shared_w3, w.shared_w2) if x is not None)
+    return weight_bytes(w.gate) + routed * w.top_k // _expert_count(w.w13) + shared
+
+
+@contextlib.contextmanager
+def kernel_profile():
+    """Times the decode path's pieces while the block runs; yields the totals {name: [calls, seconds, bytes]}."""
+    from leanserve.model.backends.cpu import decode
+    from leanserve.model.backends.cpu.kernels import quantized
+
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0, 0])
+    patched = []
+
+    def timed(owner, name: str, label, nbytes=None):
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            entry = totals[label(*args) if callable(label) else label]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - start
+            entry[2] += nbytes(*args) if nbytes is not None else 0
+            return out
+
+        patched.append((owner, name, fn))
+        setattr(owner, name, wrapper)
+
+    def linear_label(self, x):
+        kinds = sorted({"fp8" if k is quantized.linear_fp8 else "float" for k, _, _, _ in self.calls})
+        return f"linear {'+'.join(kinds)} [{x.shape[1]} -> {sum(self.widths)}]"
+
+    def linear_bytes(self, x):
+        return sum(sum(weight_bytes(a) for part in args for a in part) for _, _, args, _ in self.calls)
+
+    timed(quantized.Matmuls, "__call__", linear_label, linear_bytes)
+    timed(decode, "moe", "moe (router, experts, shared expert)", lambda p, x, step: moe_bytes(p.w.moe))
+    timed(decode, "grouped_linear_arrays", "grouped linear (wo_a)", lambda x, w: weight_bytes(w))
+    timed(decode, "attend_arrays", "attention (window, compressed rows, indexer)")
+    timed(decode, "compress_arrays", "compressors")
+    timed(decode, "rms_norm_arrays", "rms norm")
+    timed(decode, "rope_arrays", "rope")
+    timed(decode, "mixed_in", "mHC")
+    timed(decode, "settled", "mHC")
+    timed(decode, "embedded", "embedding")
+    try:
+        yield totals
+    finally:
+        for owner, name, fn in reversed(patched):
+            setattr(owner, name, fn)
+
+
+def profile_rows(totals: dict, steps: int, step_seconds: float) -> list[ProfileRow]:
+    """Rows per kernel (slowest first), then what the step spent elsewhere, from `steps` steps of `step_seconds`."""
+    rows = []
+    for name, (calls, seconds, nbytes) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        ms = seconds / steps * 1e3
+        mb = nbytes / steps / 1e6 if nbytes else None
+        gb_s = round(nbytes / seconds / 1e9, 1) if nbytes else None
+        share = round(ms / (step_seconds * 1e3), 3)
+        rows.append(ProfileRow(name, round(calls / steps, 1), round(ms, 3), share, mb and round(mb, 1), gb_s))
+    inside = sum(s for _, s, _ in totals.values()) / steps
+    rows.append(ProfileRow("rest of the step", 0, round((step_seconds - inside) * 1e3, 3),
+                           round(1 - inside / step_seconds, 3), None, None))  # fmt: skip
+    return rows
