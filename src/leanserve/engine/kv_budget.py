@@ -58,8 +58,7 @@ def stage_layer_types(cfg: ModelConfig, topology: PipelineTopology) -> list[list
 
 def cache_dtype(config: EngineConfig, weight_dtype: torch.dtype) -> torch.dtype:
     """The dtype the stages' caches take (the backend's activation dtype)."""
-    device = config.device if config.device != "meta" else "cpu"
-    return select_backend(device, weight_dtype, config.backend).activation_dtype(weight_dtype)
+    return select_backend(config.device, weight_dtype, config.backend).activation_dtype(weight_dtype)
 
 
 def available_memory(device: str) -> int | None:

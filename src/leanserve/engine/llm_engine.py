@@ -102,7 +102,7 @@ class LLMEngine:
         check_speculative(config.speculative_config, cfg, config.model)
         self.max_model_len = config.resolved_max_model_len(cfg)
         self.dtype = resolve_dtype(config.dtype, config.model)
-        itemsize = cache_dtype(config, self.dtype).itemsize
+        self.cache_itemsize = itemsize = cache_dtype(config, self.dtype).itemsize
         free = available_memory(config.device)
         if free is not None and torch.device(config.device).type == "cpu":  # (the stages share this host's memory)
             free //= self.topology.num_stages
@@ -263,8 +263,7 @@ class LLMEngine:
 
     def kv_summary(self) -> dict:
         """The paged cache as `leanserve memory` reports it (engine/kv_budget.py: kv_summary)."""
-        itemsize = cache_dtype(self.config, self.dtype).itemsize
-        cfg, window = self.model_config, window_bytes(self.memory_ledger())
+        cfg, window, itemsize = self.model_config, window_bytes(self.memory_ledger()), self.cache_itemsize
         return kv_summary(cfg, self.topology, self.kv, itemsize, self.max_model_len, self.config.max_num_seqs, window)
 
     def cache_stats(self) -> dict:
