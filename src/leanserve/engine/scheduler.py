@@ -119,7 +119,6 @@ class Scheduler:
         if blocks is None:
             blocks = BlockPool(max_num_seqs * blocks_for(max_model_len, BLOCK_TOKENS), BLOCK_TOKENS)
         self.kv = KvCacheManager(blocks, prefix_cache)
-        self.blocks, self.prefix = blocks, prefix_cache
         self.num_preemptions = 0  # sequences preempted so far
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # in the order they started running
@@ -127,6 +126,14 @@ class Scheduler:
         self._penalty_slots: set[int] = set()  # slots of running sequences with penalties
         self._structured: set[int] = set()  # seq ids of running sequences with structured output
         self._recomputing: set[int] = set()  # ids of preempted requests with penalties, until their tokens are back
+
+    @property
+    def blocks(self) -> BlockPool:
+        return self.kv.pool
+
+    @property
+    def prefix(self) -> PrefixCache | None:
+        return self.kv.prefix
 
     @property
     def has_unfinished(self) -> bool:
@@ -213,8 +220,9 @@ class Scheduler:
                 if extra:
                     out[i] = self._announce(dataclasses.replace(s, draft_token_ids=extra))
                     budget -= len(extra)
-        # Blocks the running sequences still prefilling will take for the rest of their tokens.
-        owed = sum(self.kv.owed(q) for q in self._running)
+        # Blocks the running sequences still prefilling will take for the rest of their tokens (only when a request
+        # waits: a decode-only step pays nothing for it).
+        owed = sum(self.kv.owed(q) for q in self._running) if self._waiting else 0
         while self._waiting and self.slots.num_free > 0 and len(out) < most and budget > 0:
             seq = self._waiting[0]
             hit = self.kv.lookup(seq)
