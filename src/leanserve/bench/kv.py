@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from leanserve.bench.common import print_rows
-from leanserve.bench.options import SHIPPED_MODEL, add_output, int_list
+from leanserve.bench.options import SHIPPED_MODEL, add_output, int_list, require_positive
 from leanserve.memory import KV_CACHE, format_bytes
 
 
@@ -161,9 +161,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("max_model_len", "static_seqs", "max_num_seqs"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive.")
+    require_positive(args, "max_model_len", "static_seqs", "max_num_seqs")
     if args.short < 0 or args.long < 0 or args.short + args.long < 3:
         raise ValueError("--short and --long must not be negative, and make at least 3 requests.")
     torch.manual_seed(args.seed)

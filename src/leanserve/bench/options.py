@@ -24,6 +24,13 @@ def add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="table", choices=["table", "json"])
 
 
+def require_positive(args: argparse.Namespace, *names: str) -> None:
+    """ValueError naming the first of these options that is not positive."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive.")
+
+
 def prepare(args: argparse.Namespace) -> None:
     """Sets --threads (where the benchmark has it) and checks the options every benchmark shares: batch sizes,
     token counts and concurrency levels, --repeats and --requests must be positive."""

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from leanserve.bench.common import print_rows
-from leanserve.bench.options import SHIPPED_MODEL, add_output
+from leanserve.bench.options import SHIPPED_MODEL, add_output, require_positive
 from leanserve.bench.serve import _server
 
 
@@ -195,9 +195,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("prompt_tokens", "turns", "max_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive.")
+    require_positive(args, "prompt_tokens", "turns", "max_tokens")
     rows = bench_prefix(args.model, args.prompt_tokens, args.repeats, args.turns, args.max_tokens, args.seed)
     print_rows(rows, args.output, HEADERS)
     return 0

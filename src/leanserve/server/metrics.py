@@ -58,33 +58,27 @@ class ServerMetrics:
         pool = engine.scheduler.blocks
         blocks.labels("used").set_function(lambda: pool.num_used)
         blocks.labels("free").set_function(lambda: pool.num_free)
-        self.preemptions = Counter(
-            "leanserve_num_preemptions", "Sequences preempted (blocks ran out; recomputed later)", registry=r
-        )
-        self._preempted = 0
-        self.prefix = None
-        if engine.scheduler.prefix is not None:
-            self.prefix = {
-                "queries": Counter(
-                    "leanserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
-                ),
-                "hits": Counter("leanserve_prefix_cache_hits", "Prompt tokens the prefix cache gave", registry=r),
-            }
-            self._prefix_seen = {"queries": 0, "hits": 0}
+        # Counters that follow counts the engine keeps: (counter, the count now, the count already added).
+        sched = engine.scheduler
+        counts = [("leanserve_num_preemptions", "Sequences preempted (blocks ran out; recomputed later)",
+                   lambda: sched.num_preemptions)]  # fmt: skip
+        if sched.prefix is not None:
+            counts += [
+                ("leanserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                 lambda: sched.prefix.queries),
+                ("leanserve_prefix_cache_hits", "Prompt tokens the prefix cache gave", lambda: sched.prefix.hits),
+            ]  # fmt: skip
+        self._followed = [[Counter(name, text, registry=r), count, 0] for name, text, count in counts]
 
     # Called on the engine-loop thread after each step.
     def on_step(self, seconds: float) -> None:
         self.step.observe(seconds)
-        sched = self._engine.scheduler
-        if sched.num_preemptions > self._preempted:
-            self.preemptions.inc(sched.num_preemptions - self._preempted)
-            self._preempted = sched.num_preemptions
-        if self.prefix is not None:
-            for key, counter in self.prefix.items():
-                now = getattr(sched.prefix, key)
-                if now > self._prefix_seen[key]:
-                    counter.inc(now - self._prefix_seen[key])
-                    self._prefix_seen[key] = now
+        for followed in self._followed:
+            counter, count, added = followed
+            now = count()
+            if now > added:
+                counter.inc(now - added)
+                followed[2] = now
         if self.spec is not None:
             m = self._engine.spec_decode_metrics()
             for key, gauge in self.spec.items():
