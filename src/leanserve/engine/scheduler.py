@@ -245,19 +245,21 @@ class Scheduler:
             return None
         penalty_slots = tuple(sorted(self._penalty_slots)) if self._penalty_slots else ()
         structured = tuple(sorted(self._structured)) if self._structured else ()
-        recount = ()
-        if self._recomputing:
-            recount = tuple(self._recount(s) for s in out if s.seq.seq_id in self._recomputing)
-            recount = tuple(r for r in recount if r is not None)
+        recount = self._recount(out) if self._recomputing else ()
         return ScheduledBatch(tuple(out), total - budget, penalty_slots, structured, recount, *self.kv.take_copies())
 
-    def _recount(self, s: ScheduledSeq) -> tuple[int, int] | None:
-        seq = s.seq
-        if s.is_sampled:  # the recompute's last chunk
-            self._recomputing.discard(seq.seq_id)
-        if s.start + len(s.fed_token_ids) > seq.num_prompt_tokens:
-            return s.slot, seq.num_prompt_tokens
-        return None
+    def _recount(self, out: list[ScheduledSeq]) -> tuple[tuple[int, int], ...]:
+        """(slot, prompt length) of the chunks that feed a preempted request's output again (ScheduledBatch's
+        penalty_recount); a request's recompute ends with its sampled chunk."""
+        recount = []
+        for s in out:
+            seq = s.seq
+            if seq.seq_id in self._recomputing:
+                if s.start + len(s.fed_token_ids) > seq.num_prompt_tokens:
+                    recount.append((s.slot, seq.num_prompt_tokens))
+                if s.is_sampled:
+                    self._recomputing.discard(seq.seq_id)
+        return tuple(recount)
 
     def update(
         self, batch: ScheduledBatch, outputs: dict[int, SeqOutput], proposer: Proposer | None = None
