@@ -691,3 +691,38 @@ def test_decode_plans_follow_a_replaced_weight():
         set_backend(model, _cpu())
     assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-3  # the change shows
     assert max(abs(a - b) for a, b in zip(after, reference, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "fp8"])
+def test_a_row_gets_the_same_linear_output_in_any_batch(fmt):
+    # Batch invariance: a row's output is bit for bit the same whether it is computed alone, as one of the
+    # last one to three rows of a batch, or inside a 4-row tile (FP8 from two rows on: one row takes the
+    # block-sum path). 100 inputs: a tail of 4 products after the 16-wide chunks.
+    from leanserve.model.quant import quantize_fp8
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(23, 100 if fmt != "fp8" else 256, generator=gen)
+    w = torch.randn(37, x.shape[1], generator=gen)
+    w = quantize_fp8(w) if fmt == "fp8" else w.to(getattr(torch, fmt))
+    full = _cpu().linears(x, (w,))[0]
+    for start, rows in ((0, 1), (5, 2), (9, 3), (2, 5), (11, 12)):
+        if fmt == "fp8" and rows == 1:
+            continue
+        part = _cpu().linears(x[start : start + rows].contiguous(), (w,))[0]
+        assert torch.equal(part, full[start : start + rows]), (start, rows)
+
+
+def test_weighted_rows_sum_each_entry_in_key_order():
+    from leanserve.model.backends.cpu.kernels.linear import _weighted_rows_jit
+
+    rng = np.random.default_rng(0)
+    p = rng.random((7, 50), dtype=np.float32)
+    p[p < 0.3] = 0.0
+    v = rng.standard_normal((50, 72), dtype=np.float32)  # 72 columns: two 32-wide bands and 8 one by one
+    out = np.empty((7, 72), dtype=np.float32)
+    _weighted_rows_jit(p, v, out, 7)
+    np.testing.assert_allclose(out, p.astype(np.float64) @ v.astype(np.float64), rtol=1e-5, atol=1e-5)
+    for i in range(7):  # each row alone: the same bits
+        one = np.empty((1, 72), dtype=np.float32)
+        _weighted_rows_jit(p[i : i + 1], v, one, 1)
+        assert np.array_equal(one[0], out[i])

@@ -73,7 +73,13 @@ def _turns(llm: LLM, prompts: list[list[int]], rng: random.Random, params: Sampl
         cut = rng.randint(1, len(p))
         follow += [p, p + list(out.outputs[0].token_ids) + new, p[:cut] + new, p + new[:3]]
     second = llm.generate([{"prompt_token_ids": p} for p in follow], params)
-    return [o.outputs[0].token_ids for o in first + second], [o for o in second]
+    return [_tokens_and_logprobs(o) for o in first + second], [o for o in second]
+
+
+def _tokens_and_logprobs(out) -> list[tuple[int, float]]:
+    """Each generated token with its logprob (the float itself: compared bit for bit)."""
+    c = out.outputs[0]
+    return [(t, lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
 
 
 @pytest.mark.parametrize(
@@ -88,10 +94,12 @@ def _turns(llm: LLM, prompts: list[list[int]], rng: random.Random, params: Sampl
     ],
     ids=["plain", "chunked", "mtp1", "mtp2", "pp2", "pp2-mtp2"],
 )
-def test_same_tokens_with_the_prefix_cache_as_without(options):
+def test_same_tokens_and_logprobs_with_the_prefix_cache_as_without(options):
+    # Bit for bit: the kernels give a token the same float32 arithmetic in any step (batch invariance), so a
+    # request that starts after a kept prefix gets exactly the logprobs of one that prefills it all.
     rng = random.Random(7)
     prompts = _prompts(rng)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
     runs = {}
     for caching in (False, True):
         llm = LLM(MODEL, max_model_len=1024, load_progress=False, enable_prefix_caching=caching, **options)
@@ -114,14 +122,14 @@ def test_same_tokens_with_the_prefix_cache_as_without(options):
 def test_eviction_under_a_small_budget_keeps_the_tokens():
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(300)] for _ in range(8)]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = {}
     for caching in (False, True):
         llm = LLM(MODEL, max_model_len=512, max_num_seqs=4, kv_cache_memory=260_000, load_progress=False,
                   enable_prefix_caching=caching)  # fmt: skip
         try:
             runs = [llm.generate([{"prompt_token_ids": p} for p in prompts], params) for _ in range(2)]
-            outs[caching] = [[o.outputs[0].token_ids for o in r] for r in runs]
+            outs[caching] = [[_tokens_and_logprobs(o) for o in r] for r in runs]
             stats = llm.cache_stats()
             llm.reset_prefix_cache()
             assert llm.cache_stats()["blocks_free"] == stats["num_blocks"]
@@ -176,3 +184,22 @@ def test_requests_sharing_a_long_system_prompt_hit_from_the_third_on():
     assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]
     shared = len(system) // block * block
     assert [o.num_cached_tokens for o in outs[True]] == [0, 0] + [shared - 1] * 3
+
+
+def test_a_request_gets_the_same_logprobs_alone_and_among_others():
+    # Batch invariance, which the identity above rests on: the same prompt alone, then in one step with others
+    # (its rows in other places of larger matmuls and attention blocks), then in chunks of another size.
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 500) for _ in range(150)]
+    others = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 200))] for _ in range(5)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    got = []
+    for options, batch in (({}, [prompt]), ({}, others[:2] + [prompt] + others[2:]),
+                           ({"max_num_batched_tokens": 40}, [prompt] + others)):  # fmt: skip
+        llm = LLM(MODEL, max_model_len=512, load_progress=False, enable_prefix_caching=False, **options)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+        finally:
+            llm.shutdown()
+        got.append(_tokens_and_logprobs(outs[batch.index(prompt)]))
+    assert got[0] == got[1] == got[2]

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from leanserve.model.backends.cpu.kernels.base import Threaded, _copy_row_jit, _exp_jit, _jit, prange
-from leanserve.model.backends.cpu.kernels.linear import _linear_tiles_jit
+from leanserve.model.backends.cpu.kernels.linear import _linear_tiles_jit, _weighted_rows_jit
 
 
 # --- KV compressor, decode-sized steps ------------------------------------------------------------------
@@ -83,9 +83,6 @@ compress = Threaded(_compress, min_work=64)
 
 
 # --- attention over a step's query blocks -----------------------------------------------------------------
-ATTEND_SUM_ROWS = 32  # (query, head) rows of a block up to which _attend sums key rows instead of transposing
-
-
 def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, rows, visible, chosen, sink, scale,
             freqs, out):  # fmt: skip
     # (compiled) Shared-KV attention (keys = values) for one group of query blocks, see model/batch.py:
@@ -97,10 +94,10 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
     # Each head has a sink logit (probability mass, no value). The output is rotated back by RoPE (the
     # inverse of freqs at the query's token) and written to out[q_rows[b, i]].
     # Per block, its keys are gathered once for all its queries and heads (the KV is shared); the scores are a
-    # small matmul through the few-row linear's register tiles (rows are (query, head) pairs), masked keys get
-    # probability 0. The weighted values: for a block of a few rows (decode, verification) the key rows summed
-    # as each row's probabilities weigh them (keys of probability 0 skipped), for more rows (prefill) a second
-    # matmul through the tiles, on the keys transposed once.
+    # small matmul through the linear's register tiles (rows are (query, head) pairs), masked keys get
+    # probability 0; each row's softmax sum runs over its own keys alone, and the weighted values are one chain
+    # of multiply-adds per entry in key order (_weighted_rows): a query's output is the same whichever other
+    # queries share its block, so a token gets the same output in any step (batch invariance).
     num_blocks, block = q_rows.shape
     heads, dim = q.shape[1], q.shape[2]
     ring_rows = ring.shape[0]
@@ -156,6 +153,9 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
                     _copy_row_jit(qh[i * heads + h], q[q_rows[b, i], h])
         scores = np.empty((block * heads, keys), dtype=np.float32)
         _linear_tiles_jit(qh, kv, scores, block * heads)
+        kept = np.empty((1, keys), dtype=np.float32)  # a query's probabilities before normalising, compacted
+        ones = np.ones((1, keys), dtype=np.float32)
+        total = np.empty((1, 1), dtype=np.float32)
         for i in range(block):
             if not q_valid[b, i]:
                 continue
@@ -174,32 +174,21 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
                         top = max(top, row[k])
                     else:
                         row[k] = -np.inf
-                total = _exp_jit(sink[h] - top)
+                count = 0
                 for k in range(keys):  # (e^-inf: the clamp gives 1e-38, so masked keys are zeroed explicitly)
                     e = _exp_jit(row[k] - top)
                     row[k] = e if row[k] != -np.inf else np.float32(0.0)
-                    total += row[k]
-                inv = np.float32(1.0) / total
+                    if row[k] != np.float32(0.0):  # (zeros add nothing to the sum)
+                        kept[0, count] = row[k]
+                        count += 1
+                # The sum over this query's own keys, in their order, through the tiles' fixed order: the same
+                # whichever other queries share the block.
+                _linear_tiles_jit(kept[:, :count], ones[:, :count], total, 1)
+                inv = np.float32(1.0) / (total[0, 0] + _exp_jit(sink[h] - top))
                 for k in range(keys):
                     row[k] *= inv
-        values = np.zeros((block * heads, dim), dtype=np.float32)
-        if block * heads <= ATTEND_SUM_ROWS:  # a few queries: probabilities @ keys a key row at a time
-            for i in range(block):
-                if not q_valid[b, i]:
-                    continue
-                for h in range(heads):
-                    r = i * heads + h
-                    for k in range(keys):
-                        p = scores[r, k]
-                        if p != np.float32(0.0):
-                            for d in range(dim):
-                                values[r, d] += p * kv[k, d]
-        else:  # many: through the register tiles, the keys transposed once
-            kv_t = np.empty((dim, keys), dtype=np.float32)
-            for k in range(keys):
-                for d in range(dim):
-                    kv_t[d, k] = kv[k, d]
-            _linear_tiles_jit(scores, kv_t, values, block * heads)
+        values = np.empty((block * heads, dim), dtype=np.float32)
+        _weighted_rows_jit(scores, kv, values, block * heads)  # (each entry in key order: see its notes)
         for i in range(block):
             if not q_valid[b, i]:
                 continue

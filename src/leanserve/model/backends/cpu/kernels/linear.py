@@ -1,109 +1,62 @@
-"""Linears of a few rows (decode, verification) on float32 or bfloat16 weights, in L1-sized blocks of weight rows;
-the threaded linear over a tuple of weights that read the same input; the grouped linear."""
+"""Linears on float32 or bfloat16 weights (batch-invariant register tiles), in L1-sized blocks of weight rows;
+the threaded linear over a tuple of weights that read the same input; the grouped linear; attention's weighted
+rows."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from leanserve.model.backends.cpu.kernels.base import Threaded, _f32_from_bits, _jit, numba, prange
-
+from leanserve.model.backends.cpu.kernels.base import _EXACT, Threaded, _jit, numba, prange
+from leanserve.model.backends.cpu.kernels.simd import tile_dot, weighted_rows
 
 # --- Linear for a few rows --------------------------------------------------------------------------------
-def _weight(w, j, k):  # pragma: no cover - compiled through the overload below
-    """w[j, k] as a float32: a float32 weight's entry, or a bfloat16 one (its uint16 bits) widened in registers
-    (a bfloat16 is the top half of a float32)."""
-
-
-if numba is not None:
-
-    @numba.extending.overload(_weight, inline="always")
-    def _weight_typed(w, j, k):
-        if w.dtype == numba.types.float32:
-            return lambda w, j, k: w[j, k]
-        return lambda w, j, k: _f32_from_bits(np.int32(np.uint32(w[j, k]) << np.uint32(16)))
+_T4x4, _T4x1, _T3x4, _T3x1, _T2x4, _T2x1, _T1x8, _T1x1 = [
+    tile_dot(r, c) for r, c in ((4, 4), (4, 1), (3, 4), (3, 1), (2, 4), (2, 1), (1, 8), (1, 1))
+]
 
 
 def _linear_tiles(x, w, out, n):  # pragma: no cover - compiled
-    # out[:n] = x[:n] @ w^T for x [>=n, K], w [J, K] (float32, or bfloat16 bits widened as read): four rows of x
-    # per pass over w, two weight rows at a time (eight sums in registers, six loads per eight multiply-adds);
-    # the last one to three rows in one more pass (speculative verification: two to four tokens a sequence).
-    # x and w must be C-contiguous for the inner loops to vectorise.
-    k_dim = x.shape[1]
+    # out[:n] = x[:n] @ w^T for x [>=n, K], w [J, K] (float32, or bfloat16 bits widened as read), both with their
+    # last dimension contiguous: bands of four rows of x, four weight rows at a time (sixteen sums in registers,
+    # eight loads per sixteen multiply-adds); the last one to three rows in one more band, a single row against
+    # eight weight rows (eight chains of additions in flight). Every entry gets the same arithmetic in every tile
+    # shape (simd.tile_dot): a row's output does not depend on how many rows the step has.
     rows = w.shape[0]
     t = 0
     while t + 4 <= n:
         j = 0
-        while j + 2 <= rows:
-            a0 = np.float32(0.0)
-            a1 = np.float32(0.0)
-            a2 = np.float32(0.0)
-            a3 = np.float32(0.0)
-            b0 = np.float32(0.0)
-            b1 = np.float32(0.0)
-            b2 = np.float32(0.0)
-            b3 = np.float32(0.0)
-            for k in range(k_dim):
-                v, u = _weight(w, j, k), _weight(w, j + 1, k)
-                x0, x1, x2, x3 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
-                a0 += v * x0
-                a1 += v * x1
-                a2 += v * x2
-                a3 += v * x3
-                b0 += u * x0
-                b1 += u * x1
-                b2 += u * x2
-                b3 += u * x3
-            out[t, j], out[t + 1, j], out[t + 2, j], out[t + 3, j] = a0, a1, a2, a3
-            out[t, j + 1], out[t + 1, j + 1], out[t + 2, j + 1], out[t + 3, j + 1] = b0, b1, b2, b3
-            j += 2
-        if j < rows:
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            s2 = np.float32(0.0)
-            s3 = np.float32(0.0)
-            for k in range(k_dim):
-                v = _weight(w, j, k)
-                s0 += v * x[t, k]
-                s1 += v * x[t + 1, k]
-                s2 += v * x[t + 2, k]
-                s3 += v * x[t + 3, k]
-            out[t, j] = s0
-            out[t + 1, j] = s1
-            out[t + 2, j] = s2
-            out[t + 3, j] = s3
+        while j + 4 <= rows:
+            _T4x4(x, w, out, t, j)
+            j += 4
+        while j < rows:
+            _T4x1(x, w, out, t, j)
+            j += 1
         t += 4
+    j = 0
     if t + 3 == n:
-        for j in range(rows):
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            s2 = np.float32(0.0)
-            for k in range(k_dim):
-                v = _weight(w, j, k)
-                s0 += v * x[t, k]
-                s1 += v * x[t + 1, k]
-                s2 += v * x[t + 2, k]
-            out[t, j] = s0
-            out[t + 1, j] = s1
-            out[t + 2, j] = s2
+        while j + 4 <= rows:
+            _T3x4(x, w, out, t, j)
+            j += 4
+        while j < rows:
+            _T3x1(x, w, out, t, j)
+            j += 1
     elif t + 2 == n:
-        for j in range(rows):
-            s0 = np.float32(0.0)
-            s1 = np.float32(0.0)
-            for k in range(k_dim):
-                v = _weight(w, j, k)
-                s0 += v * x[t, k]
-                s1 += v * x[t + 1, k]
-            out[t, j] = s0
-            out[t + 1, j] = s1
+        while j + 4 <= rows:
+            _T2x4(x, w, out, t, j)
+            j += 4
+        while j < rows:
+            _T2x1(x, w, out, t, j)
+            j += 1
     elif t + 1 == n:
-        for j in range(rows):
-            s = np.float32(0.0)
-            for k in range(k_dim):
-                s += _weight(w, j, k) * x[t, k]
-            out[t, j] = s
+        while j + 8 <= rows:
+            _T1x8(x, w, out, t, j)
+            j += 8
+        while j < rows:
+            _T1x1(x, w, out, t, j)
+            j += 1
 
 
-_linear_tiles_jit = _jit(_linear_tiles)
+_linear_tiles_jit = _jit(_linear_tiles, fastmath=_EXACT)  # (no reassociation: the tiles keep their order)
 
 
 ROW_BLOCK = 16  # weight rows per block (16 KB at 256 inputs): it stays in L1 while every row of x passes over it
@@ -149,6 +102,39 @@ def _linear_rows_any(x, w, out, n):  # pragma: no cover - compiled
 
 
 _linear_rows_jit = _jit(_linear_rows_any)
+
+
+_W4, _W3, _W2, _W1 = [weighted_rows(r) for r in (4, 3, 2, 1)]
+
+
+def _weighted_rows(p, v, out, n):  # pragma: no cover - compiled
+    # out[:n] = p[:n] @ v for p [>=n, K], v [K, D] (last dimensions contiguous): every entry one chain of
+    # multiply-adds in k order (simd.weighted_rows, and the last D % 32 columns one by one): a row's output
+    # does not depend on the other rows, and zero weights add exact zeros.
+    keys, dim = v.shape
+    wide = dim - dim % 32
+    r = 0
+    while r < n:
+        left = n - r
+        for d0 in range(0, wide, 32):
+            if left >= 4:
+                _W4(p, v, out, r, d0)
+            elif left == 3:
+                _W3(p, v, out, r, d0)
+            elif left == 2:
+                _W2(p, v, out, r, d0)
+            else:
+                _W1(p, v, out, r, d0)
+        for i in range(r, r + min(left, 4)):
+            for d in range(wide, dim):
+                s = np.float32(0.0)
+                for k in range(keys):
+                    s += p[i, k] * v[k, d]
+                out[i, d] = s
+        r += 4
+
+
+_weighted_rows_jit = _jit(_weighted_rows, fastmath=_EXACT)
 
 
 LINEAR_CHUNK = 64  # weight rows per task of the threaded linear
