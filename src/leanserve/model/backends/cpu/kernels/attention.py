@@ -153,40 +153,43 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
                     _copy_row_jit(qh[i * heads + h], q[q_rows[b, i], h])
         scores = np.empty((block * heads, keys), dtype=np.float32)
         _linear_tiles_jit(qh, kv, scores, block * heads)
-        kept = np.empty((1, keys), dtype=np.float32)  # a query's probabilities before normalising, compacted
+        seen = np.empty(keys, dtype=np.int64)  # a query's keys (their places in kv), in key order
+        kept = np.empty((heads, keys), dtype=np.float32)  # per head, e^(score - max) at the query's keys
         ones = np.ones((1, keys), dtype=np.float32)
-        total = np.empty((1, 1), dtype=np.float32)
+        total = np.empty((heads, 1), dtype=np.float32)
+        tops = np.empty(heads, dtype=np.float32)
         for i in range(block):
             if not q_valid[b, i]:
                 continue
             n = visible[b, i]
+            count = 0
+            for k in range(keys):
+                if k < span:
+                    mine = key_mask[b, i, lo + k]
+                else:
+                    c = sel[k - span]
+                    mine = c < n and (not picked or chosen[b, i, c])
+                if mine:
+                    seen[count] = k
+                    count += 1
             for h in range(heads):
                 row = scores[i * heads + h]
                 top = sink[h]
-                for k in range(keys):
-                    row[k] *= scale
-                    if k < span:
-                        seen = key_mask[b, i, lo + k]
-                    else:
-                        c = sel[k - span]
-                        seen = c < n and (not picked or chosen[b, i, c])
-                    if seen:
-                        top = max(top, row[k])
-                    else:
-                        row[k] = -np.inf
-                count = 0
-                for k in range(keys):  # (e^-inf: the clamp gives 1e-38, so masked keys are zeroed explicitly)
-                    e = _exp_jit(row[k] - top)
-                    row[k] = e if row[k] != -np.inf else np.float32(0.0)
-                    if row[k] != np.float32(0.0):  # (zeros add nothing to the sum)
-                        kept[0, count] = row[k]
-                        count += 1
-                # The sum over this query's own keys, in their order, through the tiles' fixed order: the same
-                # whichever other queries share the block.
-                _linear_tiles_jit(kept[:, :count], ones[:, :count], total, 1)
-                inv = np.float32(1.0) / (total[0, 0] + _exp_jit(sink[h] - top))
-                for k in range(keys):
-                    row[k] *= inv
+                for j in range(count):
+                    top = max(top, row[seen[j]] * scale)
+                tops[h] = top
+                for j in range(count):
+                    kept[h, j] = _exp_jit(row[seen[j]] * scale - top)
+            # Each head's sum over the query's own keys, in their order, through the tiles' fixed order: the same
+            # whichever other queries share the block.
+            _linear_tiles_jit(kept[:, :count], ones[:, :count], total, heads)
+            for h in range(heads):
+                row = scores[i * heads + h]
+                inv = np.float32(1.0) / (total[h, 0] + _exp_jit(sink[h] - tops[h]))
+                for k in range(keys):  # (keys the query does not see: probability 0)
+                    row[k] = np.float32(0.0)
+                for j in range(count):
+                    row[seen[j]] = kept[h, j] * inv
         values = np.empty((block * heads, dim), dtype=np.float32)
         _weighted_rows_jit(scores, kv, values, block * heads)  # (each entry in key order: see its notes)
         for i in range(block):

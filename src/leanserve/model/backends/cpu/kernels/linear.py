@@ -75,6 +75,9 @@ if numba is not None:
         if w.dtype == numba.types.float32:
 
             def blocked(x, w, out, n):
+                if n <= 4:  # (a single band of rows: every weight row is read once anyway)
+                    _linear_tiles_jit(x, w, out, n)
+                    return
                 for j0 in range(0, w.shape[0], ROW_BLOCK):
                     j1 = min(w.shape[0], j0 + ROW_BLOCK)
                     _linear_tiles_jit(x, w[j0:j1], out[:, j0:j1], n)
