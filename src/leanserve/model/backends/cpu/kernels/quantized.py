@@ -17,7 +17,7 @@ from leanserve.model.backends.cpu.kernels.linear import (
     _linear_tiles_jit,
     linear,
 )
-from leanserve.model.backends.cpu.kernels.simd import _AVX512, _fp4_row_dot_avx512, _fp8_row_dot
+from leanserve.model.backends.cpu.kernels.simd import _AVX512, fp4_row_dots, fp8_row_dots
 from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts, Fp8Weight
 
 # --- FP8 / FP4 weights, dequantized as they are read (see quant.py) -------------------------------------------
@@ -112,19 +112,29 @@ if numba is not None:
     _fp4_row = _inlined(_fp4_row)
 
 
+_FP8_DOTS4, _FP8_DOTS1 = fp8_row_dots(4), fp8_row_dots(1)
+_FP4_DOT = fp4_row_dots(1)  # (None without AVX-512: never called)
+
+
 def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
     # out[:n, :m] = x[:n] @ W[r0 : r0 + m]^T, m = out.shape[1], for the FP8 weight W: q [J, K] (e4m3 bytes),
     # s [ceil(J / 128), ceil(K / 128)] UE8M0 exponents
     m, k_dim = out.shape[1], q.shape[1]
     full = k_dim // FP8_BLOCK
     if n == 1:  # one row (decode at batch 1): each block's sum of products in registers, then times its scale
-        vector = q.strides[1] == 1 and x.strides[1] == 4  # (_fp8_row_dot's contiguous loads)
-        for j in range(m):
+        vector = q.strides[1] == 1 and x.strides[1] == 4  # (fp8_row_dots' contiguous loads)
+        j = 0
+        if vector:  # (four weight rows at a time share the loads of x)
+            while j + 4 <= m:
+                _FP8_DOTS4(q, s, r0 + j, x, full, out, j)
+                j += 4
+            while j < m:
+                _FP8_DOTS1(q, s, r0 + j, x, full, out, j)
+                j += 1
+        for j in range(m):  # the blocks the vector loops did not take, and a last partial block
             row = r0 + j
             srow = row // FP8_BLOCK
-            total = np.float32(0.0)
-            if vector:
-                total = _fp8_row_dot(q, s, row, srow, x, full)
+            total = out[0, j] if vector else np.float32(0.0)
             for kb in range(0 if not vector else full, full):
                 base = kb * FP8_BLOCK
                 e = s[srow, kb]
@@ -163,9 +173,9 @@ def _fp4_rows(x, packed, s, out, n):  # pragma: no cover - compiled
         for j in range(half):
             xe[j] = x[0, 2 * j]
             xo[j] = x[0, 2 * j + 1]
-        if _AVX512:
+        if _AVX512:  # (a row at a time: two sharing the loads of x measured slower, 2026-12-04)
             for row in range(m):
-                out[0, row] = _fp4_row_dot_avx512(packed, s, row, xe, xo)
+                _FP4_DOT(packed, s, row, xe, xo, out, row)
             return
         for row in range(m):
             total = np.float32(0.0)

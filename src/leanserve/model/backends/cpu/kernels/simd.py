@@ -7,32 +7,45 @@ from __future__ import annotations
 from leanserve.model.backends.cpu.kernels.base import numba
 from leanserve.model.quant import FP8_BLOCK
 
-_fp8_row_dot = _fp4_row_dot_avx512 = None  # (nothing is compiled without numba)
 if numba is not None:
     from llvmlite import ir
 
+_FP8_DOTS: dict = {}
+
+
+def fp8_row_dots(rows: int):
+    """The intrinsic `dots(q, s, row0, x, full, out, j)`: out[0, j + r] = the float32 sum over the first `full`
+    128-blocks of row row0 + r of the FP8 weight (q bytes, s UE8M0 grid) times x[0], for r < rows; q's and x's
+    last dimensions contiguous. In vector registers: per block and row, 8 vectors of 16 bytes decoded as _e4m3_raw
+    (a sign-extended byte shifted and masked) and multiplied into one block sum, which is then times 2^120 and
+    times the block's scale (two exact power-of-two products), added per lane; the lanes summed at the end. The
+    rows share each block's loads of x; each row's arithmetic is the same for any `rows`."""
+    if rows not in _FP8_DOTS and numba is not None:
+        _FP8_DOTS[rows] = _make_fp8_dots(rows)
+    return _FP8_DOTS.get(rows)
+
+
+def _make_fp8_dots(rows: int):
     @numba.extending.intrinsic
-    def _fp8_row_dot(typingctx, q, s, row, srow, x, full):
-        # float32 sum over the first `full` 128-blocks of row `row` of the FP8 weight (q bytes, s UE8M0 grid, its
-        # scale row srow) times x[0]; q's and x's last dimensions contiguous. In vector registers: per block, 8
-        # vectors of 16 bytes decoded as _e4m3_raw (a sign-extended byte shifted and masked) and multiplied into
-        # one block sum, which is then times 2^120 and times the block's scale (two exact power-of-two products,
-        # no fast-math flags: never merged), added per lane; the lanes summed at the end.
+    def dots(typingctx, q, s, row0, x, full, out, j):
         from numba.core import cgutils
 
         def codegen(context, builder, signature, args):
-            q_t, s_t, _, _, x_t, _ = signature.args
+            q_t, s_t, _, x_t, _, o_t, _ = signature.args
             qa = context.make_array(q_t)(context, builder, args[0])
             sa = context.make_array(s_t)(context, builder, args[1])
-            xa = context.make_array(x_t)(context, builder, args[4])
-            row_, srow_, full_ = args[2], args[3], args[5]
+            xa = context.make_array(x_t)(context, builder, args[3])
+            oa = context.make_array(o_t)(context, builder, args[5])
+            row0_, full_, j_ = args[2], args[4], args[6]
             f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
             v16f, v16i, v16b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
             intp = context.get_value_type(numba.types.intp)
             fast = ("contract",)
-            total_ptr = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
             zero = ir.Constant(i32, 0)
             undef = ir.Constant(v16f, ir.Undefined)
+            row = [builder.add(row0_, ir.Constant(intp, r)) for r in range(rows)]
+            srow = [builder.udiv(rw, ir.Constant(intp, FP8_BLOCK)) for rw in row]
+            totals = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(rows)]
 
             def broadcast(v):
                 return builder.shuffle_vector(
@@ -41,41 +54,51 @@ if numba is not None:
 
             with cgutils.for_range(builder, full_) as loop:
                 base = builder.mul(loop.index, ir.Constant(intp, FP8_BLOCK))
-                accs = [ir.Constant(v16f, [0.0] * 16), ir.Constant(v16f, [0.0] * 16)]
+                accs = [[ir.Constant(v16f, [0.0] * 16), ir.Constant(v16f, [0.0] * 16)] for _ in range(rows)]
                 for v in range(FP8_BLOCK // 16):
                     k = builder.add(base, ir.Constant(intp, 16 * v))
-                    qp = cgutils.get_item_pointer(context, builder, q_t, qa, [row_, k], wraparound=False)
-                    b = builder.sext(builder.load(builder.bitcast(qp, v16b.as_pointer()), align=1), v16i)
-                    bits = builder.and_(
-                        builder.shl(b, ir.Constant(v16i, [20] * 16)), ir.Constant(v16i, [0x87F00000 - 2**32] * 16)
-                    )
                     xp = cgutils.get_item_pointer(
                         context, builder, x_t, xa, [ir.Constant(intp, 0), k], wraparound=False
                     )
                     xv = builder.load(builder.bitcast(xp, v16f.as_pointer()), align=4)
-                    prod = builder.fmul(builder.bitcast(bits, v16f), xv, flags=fast)
-                    accs[v % 2] = builder.fadd(accs[v % 2], prod, flags=fast)
-                block = builder.fadd(accs[0], accs[1], flags=fast)
-                sp = cgutils.get_item_pointer(context, builder, s_t, sa, [srow_, loop.index], wraparound=False)
-                e = builder.zext(builder.load(sp), i32)  # UE8M0: 2^(e - 127), e = 0 -> 2^-127
-                sbits = builder.select(
-                    builder.icmp_unsigned("==", e, zero),
-                    ir.Constant(i32, 1 << 22),
-                    builder.shl(e, ir.Constant(i32, 23)),
-                )
-                block = builder.fmul(block, broadcast(ir.Constant(f32, 2.0**120)))
-                block = builder.fmul(block, broadcast(builder.bitcast(sbits, f32)))
-                builder.store(builder.fadd(builder.load(total_ptr), block, flags=fast), total_ptr)
-            v = builder.load(total_ptr)
-            width = 16
-            while width > 1:
-                width //= 2
-                a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
-                c = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
-                v = builder.fadd(a, c)
-            return builder.extract_element(v, zero)
+                    for r in range(rows):
+                        qp = cgutils.get_item_pointer(context, builder, q_t, qa, [row[r], k], wraparound=False)
+                        b = builder.sext(builder.load(builder.bitcast(qp, v16b.as_pointer()), align=1), v16i)
+                        bits = builder.and_(
+                            builder.shl(b, ir.Constant(v16i, [20] * 16)), ir.Constant(v16i, [0x87F00000 - 2**32] * 16)
+                        )
+                        prod = builder.fmul(builder.bitcast(bits, v16f), xv, flags=fast)
+                        accs[r][v % 2] = builder.fadd(accs[r][v % 2], prod, flags=fast)
+                for r in range(rows):
+                    block = builder.fadd(accs[r][0], accs[r][1], flags=fast)
+                    sp = cgutils.get_item_pointer(context, builder, s_t, sa, [srow[r], loop.index], wraparound=False)
+                    e = builder.zext(builder.load(sp), i32)  # UE8M0: 2^(e - 127), e = 0 -> 2^-127
+                    sbits = builder.select(
+                        builder.icmp_unsigned("==", e, zero),
+                        ir.Constant(i32, 1 << 22),
+                        builder.shl(e, ir.Constant(i32, 23)),
+                    )
+                    block = builder.fmul(block, broadcast(ir.Constant(f32, 2.0**120)))
+                    block = builder.fmul(block, broadcast(builder.bitcast(sbits, f32)))
+                    builder.store(builder.fadd(builder.load(totals[r]), block, flags=fast), totals[r])
+            for r in range(rows):
+                v = builder.load(totals[r])
+                width = 16
+                while width > 1:
+                    width //= 2
+                    a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+                    c = builder.shuffle_vector(
+                        v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width)))
+                    )
+                    v = builder.fadd(a, c)
+                col = builder.add(j_, ir.Constant(intp, r))
+                op = cgutils.get_item_pointer(context, builder, o_t, oa, [ir.Constant(intp, 0), col], wraparound=False)
+                builder.store(builder.extract_element(v, zero), op)
+            return context.get_dummy_value()
 
-        return numba.types.float32(q, s, row, srow, x, full), codegen
+        return numba.types.void(q, s, row0, x, full, out, j), codegen
+
+    return dots
 
 
 # FP4 at batch 1, on AVX-512: each row's dot product in vector registers (LLVM IR below: 16-byte groups of 32
@@ -90,23 +113,36 @@ if numba is not None:
 
     _AVX512 = bool(_llvm.get_host_cpu_features().get("avx512f", False))
 
+
+_FP4_DOTS: dict = {}
+
+
+def fp4_row_dots(rows: int):
+    """The intrinsic `dots(packed, s, row0, xe, xo, out, j)` on AVX-512: out[0, j + r] = sum_k W[row0 + r, k] * x[k]
+    for r < rows, W FP4 (packed [J, K / 2] C-contiguous uint8, s [J, K / 32] UE8M0), x as its even and odd
+    elements xe, xo; the rows share the loads of x, each row's arithmetic the same for any `rows`."""
+    if rows not in _FP4_DOTS and _AVX512:
+        _FP4_DOTS[rows] = _make_fp4_dots(rows)
+    return _FP4_DOTS.get(rows)
+
+
+def _make_fp4_dots(rows: int):
     @numba.extending.intrinsic
-    def _fp4_row_dot_avx512(typingctx, packed, s, row, xe, xo):
-        # float32 sum_k W[row, k] * x[k], W FP4 (packed [J, K / 2] C-contiguous uint8, s [J, K / 32] UE8M0)
+    def dots(typingctx, packed, s, row0, xe, xo, out, j):
         from numba.core import cgutils
 
         def codegen(context, builder, signature, args):
-            pk_t, s_t, _, xe_t, xo_t = signature.args
-            pk, sc = (
-                context.make_array(pk_t)(context, builder, args[0]),
-                context.make_array(s_t)(context, builder, args[1]),
-            )
+            pk_t, s_t, _, xe_t, xo_t, o_t, _ = signature.args
+            pk = context.make_array(pk_t)(context, builder, args[0])
+            sc = context.make_array(s_t)(context, builder, args[1])
             xe_a = context.make_array(xe_t)(context, builder, args[3])
             xo_a = context.make_array(xo_t)(context, builder, args[4])
-            row_ = args[2]
+            oa = context.make_array(o_t)(context, builder, args[5])
+            row0_, j_ = args[2], args[6]
             f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
             v16f, v16i, v16b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
             intp = context.get_value_type(numba.types.intp)
+            fast = ("contract",)
             lut = ir.Constant(
                 v16f, [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
             )
@@ -114,7 +150,8 @@ if numba is not None:
                 builder.module, ir.FunctionType(v16f, [v16f, v16i]), "llvm.x86.avx512.permvar.sf.512"
             )
             groups = builder.udiv(builder.extract_value(pk.shape, 1), ir.Constant(intp, 16))
-            acc_ptr = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+            row = [builder.add(row0_, ir.Constant(intp, r)) for r in range(rows)]
+            acc_ptrs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(rows)]
             zero = ir.Constant(i32, 0)
 
             def scales(e):  # UE8M0 exponents (i32 or <16 x i32>) -> 2^(e - 127), e = 0 -> 2^-127
@@ -125,54 +162,73 @@ if numba is not None:
                     builder.shl(e, ir.Constant(like, 23 if like == i32 else [23] * 16)),
                 )
 
-            def group(g, sv, acc):  # acc + the 32 products of group g times its scale (sv, broadcast)
+            def x_at(g):  # the group's even and odd elements of x
                 base = builder.mul(g, ir.Constant(intp, 16))
-                bp = cgutils.get_item_pointer(context, builder, pk_t, pk, [row_, base], wraparound=False)
+                ep = cgutils.get_item_pointer(context, builder, xe_t, xe_a, [base], wraparound=False)
+                op = cgutils.get_item_pointer(context, builder, xo_t, xo_a, [base], wraparound=False)
+                return (
+                    builder.load(builder.bitcast(ep, v16f.as_pointer()), align=4),
+                    builder.load(builder.bitcast(op, v16f.as_pointer()), align=4),
+                )
+
+            def group(r, g, xs, sv, acc):  # acc + the 32 products of row r's group g times its scale (sv)
+                base = builder.mul(g, ir.Constant(intp, 16))
+                bp = cgutils.get_item_pointer(context, builder, pk_t, pk, [row[r], base], wraparound=False)
                 b = builder.zext(builder.load(builder.bitcast(bp, v16b.as_pointer()), align=1), v16i)
                 lo = builder.call(perm, [lut, builder.and_(b, ir.Constant(v16i, [15] * 16))])
                 hi = builder.call(perm, [lut, builder.lshr(b, ir.Constant(v16i, [4] * 16))])
-                ep = cgutils.get_item_pointer(context, builder, xe_t, xe_a, [base], wraparound=False)
-                op = cgutils.get_item_pointer(context, builder, xo_t, xo_a, [base], wraparound=False)
-                xev = builder.load(builder.bitcast(ep, v16f.as_pointer()), align=4)
-                xov = builder.load(builder.bitcast(op, v16f.as_pointer()), align=4)
-                fast = ("contract",)
-                part = builder.fadd(builder.fmul(lo, xev, flags=fast), builder.fmul(hi, xov, flags=fast), flags=fast)
+                part = builder.fadd(
+                    builder.fmul(lo, xs[0], flags=fast), builder.fmul(hi, xs[1], flags=fast), flags=fast
+                )
                 return builder.fadd(acc, builder.fmul(part, sv, flags=fast), flags=fast)
 
-            # 16 groups per iteration, their 16 scales decoded as one vector; then the groups left one by one.
+            def splat(vec, lane):
+                return builder.shuffle_vector(vec, ir.Constant(v16f, ir.Undefined), ir.Constant(v16i, [lane] * 16))
+
+            # 16 groups per iteration, each row's 16 scales decoded as one vector; then the groups left one by one.
             blocks = builder.udiv(groups, ir.Constant(intp, 16))
             with cgutils.for_range(builder, blocks) as loop:
                 g0 = builder.mul(loop.index, ir.Constant(intp, 16))
-                sp = cgutils.get_item_pointer(context, builder, s_t, sc, [row_, g0], wraparound=False)
-                sv16 = builder.bitcast(
-                    scales(builder.zext(builder.load(builder.bitcast(sp, v16b.as_pointer()), align=1), v16i)), v16f
-                )
-                accs = [builder.load(acc_ptr), ir.Constant(v16f, [0.0] * 16)]  # two chains of additions
-                for j in range(16):
-                    sv = builder.shuffle_vector(sv16, ir.Constant(v16f, ir.Undefined), ir.Constant(v16i, [j] * 16))
-                    accs[j % 2] = group(builder.add(g0, ir.Constant(intp, j)), sv, accs[j % 2])
-                builder.store(builder.fadd(accs[0], accs[1], flags=("contract",)), acc_ptr)
+                svs, accs = [], []
+                for r in range(rows):
+                    sp = cgutils.get_item_pointer(context, builder, s_t, sc, [row[r], g0], wraparound=False)
+                    e16 = builder.zext(builder.load(builder.bitcast(sp, v16b.as_pointer()), align=1), v16i)
+                    svs.append(builder.bitcast(scales(e16), v16f))
+                    accs.append([builder.load(acc_ptrs[r]), ir.Constant(v16f, [0.0] * 16)])  # two chains
+                for k in range(16):
+                    g = builder.add(g0, ir.Constant(intp, k))
+                    xs = x_at(g)
+                    for r in range(rows):
+                        accs[r][k % 2] = group(r, g, xs, splat(svs[r], k), accs[r][k % 2])
+                for r in range(rows):
+                    builder.store(builder.fadd(accs[r][0], accs[r][1], flags=fast), acc_ptrs[r])
             done = builder.mul(blocks, ir.Constant(intp, 16))
             with cgutils.for_range(builder, builder.sub(groups, done)) as loop:
                 g = builder.add(done, loop.index)
-                sp = cgutils.get_item_pointer(context, builder, s_t, sc, [row_, g], wraparound=False)
-                scale = builder.bitcast(scales(builder.zext(builder.load(sp), i32)), f32)
-                sv = builder.shuffle_vector(
-                    builder.insert_element(ir.Constant(v16f, ir.Undefined), scale, zero),
-                    ir.Constant(v16f, ir.Undefined),
-                    ir.Constant(v16i, [0] * 16),
-                )
-                builder.store(group(g, sv, builder.load(acc_ptr)), acc_ptr)
-            v = builder.load(acc_ptr)
-            width = 16
-            while width > 1:  # lanes summed pairwise: halves added until one is left
-                width //= 2
-                a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
-                c = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
-                v = builder.fadd(a, c)
-            return builder.extract_element(v, zero)
+                xs = x_at(g)
+                for r in range(rows):
+                    sp = cgutils.get_item_pointer(context, builder, s_t, sc, [row[r], g], wraparound=False)
+                    scale = builder.bitcast(scales(builder.zext(builder.load(sp), i32)), f32)
+                    sv = splat(builder.insert_element(ir.Constant(v16f, ir.Undefined), scale, zero), 0)
+                    builder.store(group(r, g, xs, sv, builder.load(acc_ptrs[r])), acc_ptrs[r])
+            for r in range(rows):
+                v = builder.load(acc_ptrs[r])
+                width = 16
+                while width > 1:  # lanes summed pairwise: halves added until one is left
+                    width //= 2
+                    a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+                    c = builder.shuffle_vector(
+                        v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width)))
+                    )
+                    v = builder.fadd(a, c)
+                col = builder.add(j_, ir.Constant(intp, r))
+                op = cgutils.get_item_pointer(context, builder, o_t, oa, [ir.Constant(intp, 0), col], wraparound=False)
+                builder.store(builder.extract_element(v, zero), op)
+            return context.get_dummy_value()
 
-        return numba.types.float32(packed, s, row, xe, xo), codegen
+        return numba.types.void(packed, s, row0, xe, xo, out, j), codegen
+
+    return dots
 
 
 # Linear tiles: out[t + r, j + c] = x[t + r] . w[j + c] for a tile of R rows of x and C weight rows (float32, or
