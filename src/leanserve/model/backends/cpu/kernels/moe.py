@@ -10,6 +10,7 @@ import numpy as np
 from leanserve.model.backends.cpu.kernels.base import Threaded, _exp_jit, _jit, prange
 from leanserve.model.backends.cpu.kernels.linear import _linear_rows_jit
 from leanserve.model.backends.cpu.kernels.quantized import _expert_rows, _matrix_rows
+from leanserve.model.quant import FP8_BLOCK
 
 
 # --- MoE for a few tokens --------------------------------------------------------------------------------
@@ -87,13 +88,16 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
             token_of[fill[e]] = t
             weight_of[fill[e]] = weight[t, j]
             fill[e] += 1
-    # Tasks, spread over the cores: each expert that has tokens, and the shared expert in two halves of the
-    # tokens (more chunks would read its weights more often), each half ahead of half the experts: the threads
-    # take equal runs of tasks, and so get equal work when the experts' loads are even. Each task writes only
-    # its own rows: the routed experts' outputs go to ys (one row per (token, k) pair), the shared expert's
-    # straight to out.
+    # Tasks, spread over the cores: each expert that has tokens, and the shared expert in two parts (its
+    # intermediate rows cut in two: each part reads its own half of the weights, for every token), each part ahead
+    # of half the experts: the threads take equal runs of tasks, and so get equal work when the experts' loads are
+    # even (at batch 1 on two cores: a part and three of the six experts each). Each task writes only its own
+    # rows: the routed experts' outputs go to ys (one row per (token, k) pair), the shared expert's parts to
+    # parts; they are added after, in a fixed order (the same for any number of tokens).
     shared = sw1.shape[0]
-    chunks = min(n, 2)
+    align = FP8_BLOCK if sw2_s.ndim == 2 else 1  # (an FP8 weight's columns are cut at its scale blocks)
+    cut = shared // 2 // align * align
+    chunks = 2 if cut > 0 else 1
     active = 0
     for e in range(num_experts):
         active += counts[e + 1] > counts[e]
@@ -116,18 +120,20 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
     both = np.empty((pairs, 2 * inter), dtype=np.float32)
     act = np.empty((pairs, inter), dtype=np.float32)
     ys = np.empty((pairs, hidden), dtype=np.float32)
+    parts = np.empty((chunks, n, hidden), dtype=np.float32)  # the shared expert's output, per part
     for job in prange(num_tasks):
         e = tasks[job]
-        if e >= num_experts:  # a chunk of tokens through the shared expert
+        if e >= num_experts:  # a part of the shared expert's intermediate rows, for every token
             c = e - num_experts
-            t0, t1 = c * n // chunks, (c + 1) * n // chunks
-            gates, ups = np.empty((t1 - t0, shared), dtype=np.float32), np.empty((t1 - t0, shared), dtype=np.float32)
-            _matrix_rows(x[t0:t1], sw1, sw1_s, gates, t1 - t0)
-            _matrix_rows(x[t0:t1], sw3, sw3_s, ups, t1 - t0)
-            for t in range(t1 - t0):
-                for i in range(shared):
+            i0 = 0 if c == 0 else cut
+            i1 = shared if c == chunks - 1 else cut
+            gates, ups = np.empty((n, i1 - i0), dtype=np.float32), np.empty((n, i1 - i0), dtype=np.float32)
+            _matrix_rows(x, sw1, sw1_s, gates, n, i0, 0)
+            _matrix_rows(x, sw3, sw3_s, ups, n, i0, 0)
+            for t in range(n):
+                for i in range(i1 - i0):
                     gates[t, i] = _silu_glu_jit(gates[t, i], ups[t, i], limit)
-            _matrix_rows(gates, sw2, sw2_s, out[t0:t1], t1 - t0)
+            _matrix_rows(gates, sw2, sw2_s, parts[c], n, 0, i0)
             continue
         first, last = counts[e], counts[e + 1]
         for r in range(first, last):
@@ -138,7 +144,10 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
             for i in range(inter):
                 act[r, i] = _silu_glu_jit(both[r, i], both[r, inter + i], limit) * weight_of[r]
         _expert_rows(act[first:last], w2, w2_s, e, ys[first:last], last - first)
-    # Add the routed experts' outputs in expert order.
+    # The shared expert's parts added, then the routed experts' outputs in expert order.
+    for t in range(n):
+        for k in range(hidden):
+            out[t, k] = parts[0, t, k] + parts[1, t, k] if chunks == 2 else parts[0, t, k]
     for r in range(pairs):
         t = token_of[r]
         for k in range(hidden):

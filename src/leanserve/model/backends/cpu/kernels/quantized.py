@@ -229,9 +229,9 @@ def dequantized(w, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def _matrix_rows(x, w, s, out, n):  # pragma: no cover - compiled through the overload below
-    """out[:n] = x[:n] @ W^T for a plain weight w (float32 or bfloat16 bits; s empty, 1-d) or an FP8 one (w its
-    bytes, s its 2-d scale grid)."""
+def _matrix_rows(x, w, s, out, n, r0, c0):  # pragma: no cover - compiled through the overload below
+    """out[:n] = x[:n] @ W[r0 : r0 + m, c0 : c0 + k]^T (m = out's width, k = x's) for a plain weight w (float32 or
+    bfloat16 bits; s empty, 1-d) or an FP8 one (w its bytes, s its 2-d scale grid; c0 a multiple of 128)."""
 
 
 def _expert_rows(x, w, s, e, out, n):  # pragma: no cover - compiled through the overload below
@@ -242,10 +242,19 @@ def _expert_rows(x, w, s, e, out, n):  # pragma: no cover - compiled through the
 if numba is not None:
 
     @numba.extending.overload(_matrix_rows)
-    def _matrix_rows_typed(x, w, s, out, n):
+    def _matrix_rows_typed(x, w, s, out, n, r0, c0):
         if s.ndim == 1:
-            return lambda x, w, s, out, n: _linear_rows(x, w, out, n)
-        return lambda x, w, s, out, n: _fp8_rows_jit(x, w, s, 0, out, n)
+
+            def plain(x, w, s, out, n, r0, c0):
+                _linear_rows(x, w[r0 : r0 + out.shape[1], c0 : c0 + x.shape[1]], out, n)
+
+            return plain
+
+        def fp8(x, w, s, out, n, r0, c0):
+            c1 = c0 + x.shape[1]
+            _fp8_rows_jit(x, w[:, c0:c1], s[:, c0 // FP8_BLOCK : (c1 + FP8_BLOCK - 1) // FP8_BLOCK], r0, out, n)
+
+        return fp8
 
     @numba.extending.overload(_expert_rows)
     def _expert_rows_typed(x, w, s, e, out, n):
