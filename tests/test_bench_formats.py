@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from leanserve.bench.formats import bench_config, head_share, matched_vocab, token_bytes
+from leanserve.bench.formats import bench_config, head_share, matched_vocab, step_cost, token_bytes
 from leanserve.make_random import preset_config
 
 
@@ -23,6 +23,18 @@ def test_token_bytes_counts_top_k_experts_the_head_and_one_embedding_row():
     assert published.experts == layers * e * fp4 * k // e
     assert published.head == plain.head  # (bf16 in both formats)
     assert published.dense < plain.dense  # FP8 linears
+
+
+def test_a_steps_bytes_count_the_experts_its_tokens_reach_and_its_arithmetic_every_token():
+    cfg = preset_config("tiny")  # 8 experts, top-2
+    for published in (False, True):
+        b = token_bytes(cfg, published)
+        one, many = step_cost(cfg, published, 1), step_cost(cfg, published, 1000)
+        assert one.mb * 1e6 == pytest.approx(b.total)  # batch 1: a token's bytes
+        # every expert read once, the embedding row per token
+        assert many.mb * 1e6 == pytest.approx(b.dense + b.head + 1000 * b.embed_row + b.experts * 8 / 2)
+        assert many.gflop == pytest.approx(1000 * one.gflop)  # the same arithmetic per token in either format
+    assert step_cost(cfg, True, 1).gflop == step_cost(cfg, False, 1).gflop
 
 
 def test_matched_vocab_gives_the_head_its_share():

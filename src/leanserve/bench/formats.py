@@ -42,9 +42,12 @@ class FormatRow:
     batch_size: int
     step_ms: float
     tok_s: float
-    mb_per_token: float | None  # batch 1 only (see TokenBytes)
-    gb_s: float | None  # mb_per_token x tok/s
-    of_bandwidth: float | None  # gb_s / the measured memory bandwidth
+    mb_per_step: float  # the weight bytes a step reads (StepCost)
+    gb_s: float  # mb_per_step / the step's time
+    of_bandwidth: float  # gb_s / the measured memory bandwidth
+    gflop_s: float  # the model's float32 arithmetic (StepCost) / the step's time
+    of_compute: float  # gflop_s / the kernels' measured float32 peak
+    bound: str  # the nearer limit: "bytes" or "arithmetic"
     vs_bf16: float  # tok/s / bf16's at the same batch
 
 
@@ -53,9 +56,12 @@ FORMAT_HEADERS = {
     "batch_size": "batch",
     "step_ms": "step ms",
     "tok_s": "tok/s",
-    "mb_per_token": "MB/token",
+    "mb_per_step": "MB/step",
     "gb_s": "GB/s",
     "of_bandwidth": "of bandwidth",
+    "gflop_s": "GFLOP/s",
+    "of_compute": "of compute",
+    "bound": "near",
     "vs_bf16": "x bf16",
 }
 
@@ -93,6 +99,39 @@ def token_bytes(cfg: ModelConfig, published: bool) -> TokenBytes:
         else:
             dense += nbytes
     return TokenBytes(dense, experts, head, embed)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What a decode step of `batch` tokens (one per sequence, short contexts) costs in weights and arithmetic: the
+    dense weights, the head and `batch` embedding rows once, and each MoE layer's distinct routed experts, expected
+    under uniform routing (E * (1 - (1 - k/E)^batch) of E experts, top-k); the arithmetic is two float32 operations
+    per weight a token multiplies (its top-k experts, not the union), the kernels' work whatever the format
+    (FP8 and FP4 weights are decoded to float32 first)."""
+
+    mb: float
+    gflop: float
+
+
+def step_cost(cfg: ModelConfig, published: bool, batch: int) -> StepCost:
+    b, plain = token_bytes(cfg, published), token_bytes(cfg, False)
+    k, experts = cfg.num_experts_per_tok, cfg.n_routed_experts
+    distinct = experts * (1 - (1 - k / experts) ** batch)
+    nbytes = b.dense + b.head + batch * b.embed_row + b.experts * distinct / k
+    weights = (plain.dense + plain.experts + plain.head) / 2  # (bf16: two bytes a weight)
+    return StepCost(nbytes / 1e6, 2 * weights * batch / 1e9)
+
+
+def kernel_peak_gflops(rows: int = 64, width: int = 4096, repeats: int = 5) -> float:
+    """The CPU kernels' float32 arithmetic rate on a shape bound by it: `rows` rows through a width x width float32
+    linear (the weight stays in cache between the rows' passes), best of `repeats`, in GFLOP/s."""
+    from leanserve.model.backends.cpu import kernels as ck
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, width), dtype=np.float32)
+    w = rng.standard_normal((width, width), dtype=np.float32)
+    ck.matmuls(x, (w,))
+    return 2 * rows * width * width / min(_seconds(lambda: ck.matmuls(x, (w,))) for _ in range(repeats)) / 1e9
 
 
 def head_share(cfg: ModelConfig) -> float:
@@ -272,6 +311,7 @@ def formats_bench(
     together = available is None or 1.8 * sum(sizes.values()) < available
     max_len = prompt_len + rounds + 8
     bws = [memory_bandwidth()]  # measured before, between and after the timings: the best of each kind is kept
+    peaks = [kernel_peak_gflops()]
     medians: dict[tuple[str, int], float] = {}
     runners = {}
     for group in [FORMATS] if together else [(f,) for f in FORMATS]:  # both loaded, or one after the other
@@ -286,23 +326,24 @@ def formats_bench(
                     times[f].append(decoders[f]())
             medians |= {(f, batch): statistics.median(v) for f, v in times.items()}
             bws.append(memory_bandwidth())
+            peaks.append(kernel_peak_gflops())
         if profile is not None and "published" in runners:
             profile += _profile(runners["published"], prompt_len, rounds)
         del runners
     bw = {k: max(b[k] for b in bws) for k in bws[0]}
+    peak = max(peaks)
     per_token = {f: token_bytes(cfg, published=f == "published") for f in FORMATS}
     rows = []
     for batch in batch_sizes:
         for f in ("published", "bf16"):
             step = medians[(f, batch)]
-            tok_s = batch / step
-            mb = per_token[f].total / 1e6 if batch == 1 else None
-            gbs = mb * tok_s / 1e3 if mb is not None else None
-            share = round(gbs / bw["machine"], 3) if gbs is not None else None
-            vs = medians[("bf16", batch)] / step
+            cost = step_cost(cfg, f == "published", batch)
+            gbs, gflops = cost.mb / step / 1e3, cost.gflop / step
+            share, busy = gbs / bw["machine"], gflops / peak
             rows.append(
-                FormatRow(f, batch, round(step * 1e3, 2), round(tok_s, 2), mb and round(mb, 1),
-                          gbs and round(gbs, 2), share, round(vs, 2))
+                FormatRow(f, batch, round(step * 1e3, 2), round(batch / step, 2), round(cost.mb, 1), round(gbs, 2),
+                          round(share, 3), round(gflops, 1), round(busy, 3), "bytes" if share >= busy else "arithmetic",
+                          round(medians[("bf16", batch)] / step, 2))
             )  # fmt: skip
     b, fb = per_token["published"], token_bytes(flash, published=True)
     notes = [
@@ -320,6 +361,9 @@ def formats_bench(
         f"memory bandwidth (best of {9 * len(bws)} reads of 1 GiB, before, between and after the timings): "
         + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items() if k != "machine")
         + f"; shares are of {bw['machine']:.1f} GB/s",
+        f"arithmetic: two float32 operations per weight each token multiplies (FP8 / FP4 decoded first); the "
+        f"kernels' float32 peak, best of {5 * len(peaks)} runs of 64 rows through a 4096 x 4096 linear: "
+        f"{peak:.1f} GFLOP/s; bytes at batch > 1: the distinct routed experts expected under uniform routing",
         f"checkpoints: {', '.join(f'{f} {sizes[f] / 1e9:.2f} GB' for f in FORMATS)} in {root}; "
         + ("both loaded, steps interleaved" if together else "loaded one after the other (memory)")
         + f"; {rounds} steps per format and batch after 2 warm-up, medians; torch threads {torch.get_num_threads()}",
