@@ -140,13 +140,13 @@ def head_share(cfg: ModelConfig) -> float:
     return b.head / b.total
 
 
-def bench_config(layers: int = 2, experts: int = 64, vocab_size: int | None = None) -> ModelConfig:
+def bench_config(layers: int = 2, experts: int = 64, vocab_size: int | None = None, mtp: bool = False) -> ModelConfig:
     """Flash's shipped config with `layers` layers (CSA and HCA alternating, top-k MoE), `experts` routed experts,
-    no MTP, bf16; vocab_size None: matched_vocab's."""
+    its MTP layer only with `mtp`, bf16; vocab_size None: matched_vocab's."""
     flash = ModelConfig.from_json_file(FLASH_CONFIG)
     cfg = dataclasses.replace(
         flash, num_hidden_layers=layers, layer_types=tuple(CSA if i % 2 == 0 else HCA for i in range(layers)),
-        mlp_layer_types=(MOE,) * layers, n_routed_experts=experts, num_nextn_predict_layers=0, quantization=None,
+        mlp_layer_types=(MOE,) * layers, n_routed_experts=experts, num_nextn_predict_layers=int(mtp), quantization=None,
         torch_dtype="bfloat16",
     )  # fmt: skip
     return dataclasses.replace(cfg, vocab_size=vocab_size or matched_vocab(cfg, head_share(flash)))
@@ -297,12 +297,13 @@ def formats_bench(
     seed: int = 0,
     log=print,
     profile: list | None = None,
+    mtp: bool = False,
 ) -> tuple[list[FormatRow], list[str]]:
     """(rows, notes): decode tok/s of the published and bf16 checkpoints of bench_config's model at each batch
     size, with the batch-1 bytes per token, GB/s and share of the measured memory bandwidth. `profile`, a list:
     the published format's batch-1 step kernel by kernel is appended to it (bench/profile.py), after the timings."""
     root = Path(root)
-    cfg = bench_config(layers, experts, vocab_size)
+    cfg = bench_config(layers, experts, vocab_size, mtp)
     flash = ModelConfig.from_json_file(FLASH_CONFIG)
     dirs = make_checkpoints(root, cfg, seed, log)
     sizes = {f: sum(p.stat().st_size for p in d.glob("*.safetensors")) for f, d in dirs.items()}
@@ -348,7 +349,8 @@ def formats_bench(
     b, fb = per_token["published"], token_bytes(flash, published=True)
     notes = [
         f"model: DeepSeek-V4-Flash's per-layer shapes, {layers} layers ({', '.join(cfg.layer_types)}), "
-        f"{experts} routed experts (top-{cfg.num_experts_per_tok}) + 1 shared, no MTP; vocabulary {cfg.vocab_size}",
+        f"{experts} routed experts (top-{cfg.num_experts_per_tok}) + 1 shared, "
+        f"{'an MTP layer (not run here)' if mtp else 'no MTP'}; vocabulary {cfg.vocab_size}",
         f"vocabulary: the head is {b.head / b.total:.1%} of a published token's bytes here, "
         f"{fb.head / fb.total:.1%} in real Flash (43 layers x {(fb.total - fb.head) / 43 / 1e6:.0f} MB + "
         f"a {fb.head / 1e9:.2f} GB head)" + ("" if vocab_size else ": vocabulary chosen to match"),
@@ -408,6 +410,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=int_list, default=[1, 8])
     p.add_argument("--rounds", type=int, default=20, help="decode steps per format and batch size")
     p.add_argument("--profile", action="store_true", help="also: the published format's batch-1 step, kernel by kernel")
+    p.add_argument("--mtp", action="store_true", help="give the model Flash's MTP layer (for bench spec-cost --model)")
     add_threads(p)
     add_output(p)
 
@@ -418,8 +421,9 @@ def run(args: argparse.Namespace) -> int:
     log = print if args.output == "table" else (lambda *a: None)
     profile = [] if args.profile else None
     rows, notes = formats_bench(
-        args.dir, args.batch_sizes, args.layers, args.experts, args.vocab_size, args.rounds, log=log, profile=profile
-    )
+        args.dir, args.batch_sizes, args.layers, args.experts, args.vocab_size, args.rounds, log=log, profile=profile,
+        mtp=args.mtp,
+    )  # fmt: skip
     if args.output == "json":
         print(rows_json(rows, notes) if profile is None else json.dumps(
             {**json.loads(rows_json(rows, notes)), "profile": [asdict(r) for r in profile]}

@@ -38,6 +38,11 @@ class SpecCostRow:
     # bound by memory could reach at best with this model and batch, whatever its kernels.
     bytes_ceiling: float
     bytes_ceiling2: float
+    # Each part's byte price (byte_prices), x plain: a part bound by memory costs about its price.
+    verify_bytes: float
+    accepted_bytes: float
+    verify2_bytes: float
+    propose2_bytes: float
 
 
 SPEC_COST_HEADERS = {
@@ -55,6 +60,10 @@ SPEC_COST_HEADERS = {
     "need_k2": f"k=2 acceptance for {TARGET}x",
     "bytes_ceiling": "k=1 ceiling, bytes",
     "bytes_ceiling2": "k=2 ceiling, bytes",
+    "verify_bytes": "verify, bytes",
+    "accepted_bytes": "MTP after accept, bytes",
+    "verify2_bytes": "verify 2, bytes",
+    "propose2_bytes": "MTP 2 drafts, bytes",
 }
 
 
@@ -67,11 +76,11 @@ def needed_acceptance(step_cost: float, drafts: int, target: float = TARGET) -> 
     return (-1 + math.sqrt(max(0.0, 4 * tokens - 3))) / 2  # a^2 + a + 1 = tokens
 
 
-def byte_ceilings(cfg, batch: int) -> tuple[float, float]:
-    """The k = 1 and k = 2 ceilings of `batch` sequences if each part of a step cost the weight bytes it reads
-    (engine/costs.py, as the checkpoint stores them): the trunk over 1 + k tokens a sequence (more of each layer's
-    routed experts), then the MTP layer over the positions it catches up on and once per further draft, each time
-    with the whole shared head."""
+def byte_prices(cfg, batch: int) -> dict[str, float]:
+    """What each part of a step would cost, in plain steps, if it cost the weight bytes it reads (engine/costs.py,
+    as the checkpoint stores them), for `batch` sequences: "verify" and "verify2", the trunk over 2 and 3 tokens a
+    sequence (more of each layer's routed experts); "accepted", the MTP layer over the two positions it catches up
+    on; "two", over three positions and once more for the second draft; each MTP pass with the whole shared head."""
     from leanserve.engine.costs import token_read_bytes
 
     reads = {n: token_read_bytes(cfg, n, with_mtp=True) for n in (batch, 2 * batch, 3 * batch)}  # (one model each)
@@ -84,9 +93,19 @@ def byte_ceilings(cfg, batch: int) -> tuple[float, float]:
         return sum(b for n, b in read.items() if n.startswith("mtp.")) + read["head.weight"] + read["embed.weight"]
 
     plain = trunk(batch)
-    k1 = (trunk(2 * batch) + mtp(2 * batch)) / plain
-    k2 = (trunk(3 * batch) + mtp(3 * batch) + mtp(batch)) / plain
-    return 2 / k1, 3 / k2
+    return {
+        "verify": trunk(2 * batch) / plain,
+        "accepted": mtp(2 * batch) / plain,
+        "verify2": trunk(3 * batch) / plain,
+        "two": (mtp(3 * batch) + mtp(batch)) / plain,
+    }
+
+
+def byte_ceilings(cfg, batch: int) -> tuple[float, float]:
+    """The k = 1 and k = 2 ceilings of `batch` sequences if each part of a step cost the weight bytes it reads
+    (byte_prices): what an engine bound by memory could reach at best, whatever its kernels."""
+    p = byte_prices(cfg, batch)
+    return 2 / (p["verify"] + p["accepted"]), 3 / (p["verify2"] + p["two"])
 
 
 def spec_cost_bench(
@@ -148,6 +167,7 @@ def spec_cost_bench(
                 round(step, 2), round(2 / step, 2), round(x["verify2"], 2), round(x["two"], 2), round(3 / step2, 2),
                 round(needed_acceptance(step, 1), 2), round(needed_acceptance(step2, 2), 2),
                 *[round(c, 2) for c in byte_ceilings(runner.cfg, batch)],
+                *[round(v, 2) for v in byte_prices(runner.cfg, batch).values()],
             )
         )  # fmt: skip
     return rows
@@ -159,7 +179,8 @@ HELP = "what a one-token MTP speculative step costs in plain decode steps, and i
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a model directory with MTP weights")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 8])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="auto: the checkpoint's own (a published one's)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=50)
     add_threads(p)
     add_output(p)
