@@ -430,6 +430,9 @@ def test_bench_spec_cost_reports_a_step_and_its_ceiling(capsys, make_ckpt):
         assert 1 + a + a * a == pytest.approx(1.5 * step2, abs=0.05)
         # At memory speed the drafts' extra experts and the MTP layer's reads still cost something.
         assert 1 < r["bytes_ceiling"] < 2 and 1 < r["bytes_ceiling2"] < 3
+        # The byte prices the ceilings come from: the trunk over more tokens reads more, the MTP layer less.
+        assert r["bytes_ceiling"] == pytest.approx(2 / (r["verify_bytes"] + r["accepted_bytes"]), abs=0.02)
+        assert 1 <= r["verify_bytes"] <= r["verify2_bytes"] and 0 < r["accepted_bytes"] < r["propose2_bytes"]
 
     no_mtp = make_ckpt("spec-cost-no-mtp", num_nextn_predict_layers=0)
     assert main(["--log-level", "warning", "bench", "spec-cost", "--model", str(no_mtp)]) == 2
