@@ -191,7 +191,7 @@ def make_checkpoints(root: Path, cfg: ModelConfig, seed: int = 0, log=print) -> 
     dirs = {"bf16": root / "bf16", "published": root / "published"}
     if not _same_model(dirs["bf16"], cfg):
         log(f"writing the random bf16 checkpoint to {dirs['bf16']} ...")
-        model = build_model(cfg, max_positions=1, dtype=torch.bfloat16)
+        model = build_model(cfg, max_positions=1, dtype=torch.bfloat16, with_mtp=cfg.has_mtp)
         randomize_(model, seed, by_slice=True)
         save_checkpoint(model, dirs["bf16"], dtype=torch.bfloat16, max_shard_size=SHARD)
         del model

@@ -112,7 +112,9 @@ if numba is not None:
     _fp4_row = _inlined(_fp4_row)
 
 
-_FP8_DOTS4, _FP8_DOTS1 = fp8_row_dots(4), fp8_row_dots(1)
+_FP8_4x1, _FP8_4x2, _FP8_2x3, _FP8_2x4, _FP8_1x1, _FP8_1x2, _FP8_1x3, _FP8_1x4 = [
+    fp8_row_dots(r, t) for r, t in ((4, 1), (4, 2), (2, 3), (2, 4), (1, 1), (1, 2), (1, 3), (1, 4))
+]
 _FP4_DOT = fp4_row_dots(1)  # (None without AVX-512: never called)
 
 
@@ -121,38 +123,59 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
     # s [ceil(J / 128), ceil(K / 128)] UE8M0 exponents
     m, k_dim = out.shape[1], q.shape[1]
     full = k_dim // FP8_BLOCK
-    if n == 1:  # one row (decode at batch 1): each block's sum of products in registers, then times its scale
+    if n <= 4:  # a few rows (decode, verification): each block's sum of products in registers, then times its scale
         vector = q.strides[1] == 1 and x.strides[1] == 4  # (fp8_row_dots' contiguous loads)
         j = 0
-        if vector:  # (four weight rows at a time share the loads of x)
-            while j + 4 <= m:
-                _FP8_DOTS4(q, s, r0 + j, x, full, out, j)
-                j += 4
+        if vector:  # (weight rows at a time share the loads of x; rows of x each decoded weight vector)
+            if n == 1:
+                while j + 4 <= m:
+                    _FP8_4x1(q, s, r0 + j, x, full, out, j)
+                    j += 4
+            elif n == 2:
+                while j + 4 <= m:
+                    _FP8_4x2(q, s, r0 + j, x, full, out, j)
+                    j += 4
+            elif n == 3:
+                while j + 2 <= m:
+                    _FP8_2x3(q, s, r0 + j, x, full, out, j)
+                    j += 2
+            else:
+                while j + 2 <= m:
+                    _FP8_2x4(q, s, r0 + j, x, full, out, j)
+                    j += 2
             while j < m:
-                _FP8_DOTS1(q, s, r0 + j, x, full, out, j)
-                j += 1
-        for j in range(m):  # the blocks the vector loops did not take, and a last partial block
-            row = r0 + j
-            srow = row // FP8_BLOCK
-            total = out[0, j] if vector else np.float32(0.0)
-            for kb in range(0 if not vector else full, full):
-                base = kb * FP8_BLOCK
-                e = s[srow, kb]
-                acc = np.float32(0.0)
-                if e <= RAW_SCALE_MAX:
-                    for i in range(FP8_BLOCK):
-                        acc += _e4m3_raw(q[row, base + i]) * x[0, base + i]
-                    total += acc * _raw_scale(e)
+                if n == 1:
+                    _FP8_1x1(q, s, r0 + j, x, full, out, j)
+                elif n == 2:
+                    _FP8_1x2(q, s, r0 + j, x, full, out, j)
+                elif n == 3:
+                    _FP8_1x3(q, s, r0 + j, x, full, out, j)
                 else:
-                    for i in range(FP8_BLOCK):
-                        acc += _e4m3(q[row, base + i]) * x[0, base + i]
-                    total += acc * _ue8m0(e)
-            if full * FP8_BLOCK < k_dim:
-                acc = np.float32(0.0)
-                for k in range(full * FP8_BLOCK, k_dim):
-                    acc += _e4m3(q[row, k]) * x[0, k]
-                total += acc * _ue8m0(s[srow, full])
-            out[0, j] = total
+                    _FP8_1x4(q, s, r0 + j, x, full, out, j)
+                j += 1
+        for t in range(n):  # the blocks the vector loops did not take, and a last partial block
+            for j in range(m):
+                row = r0 + j
+                srow = row // FP8_BLOCK
+                total = out[t, j] if vector else np.float32(0.0)
+                for kb in range(0 if not vector else full, full):
+                    base = kb * FP8_BLOCK
+                    e = s[srow, kb]
+                    acc = np.float32(0.0)
+                    if e <= RAW_SCALE_MAX:
+                        for i in range(FP8_BLOCK):
+                            acc += _e4m3_raw(q[row, base + i]) * x[t, base + i]
+                        total += acc * _raw_scale(e)
+                    else:
+                        for i in range(FP8_BLOCK):
+                            acc += _e4m3(q[row, base + i]) * x[t, base + i]
+                        total += acc * _ue8m0(e)
+                if full * FP8_BLOCK < k_dim:
+                    acc = np.float32(0.0)
+                    for k in range(full * FP8_BLOCK, k_dim):
+                        acc += _e4m3(q[row, k]) * x[t, k]
+                    total += acc * _ue8m0(s[srow, full])
+                out[t, j] = total
         return
     buf = np.empty((ROW_BLOCK, k_dim), dtype=np.float32)
     for j0 in range(0, m, ROW_BLOCK):

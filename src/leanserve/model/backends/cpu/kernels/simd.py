@@ -13,19 +13,20 @@ if numba is not None:
 _FP8_DOTS: dict = {}
 
 
-def fp8_row_dots(rows: int):
-    """The intrinsic `dots(q, s, row0, x, full, out, j)`: out[0, j + r] = the float32 sum over the first `full`
-    128-blocks of row row0 + r of the FP8 weight (q bytes, s UE8M0 grid) times x[0], for r < rows; q's and x's
-    last dimensions contiguous. In vector registers: per block and row, 8 vectors of 16 bytes decoded as _e4m3_raw
+def fp8_row_dots(rows: int, xrows: int = 1):
+    """The intrinsic `dots(q, s, row0, x, full, out, j)`: out[t, j + r] = the float32 sum over the first `full`
+    128-blocks of row row0 + r of the FP8 weight (q bytes, s UE8M0 grid) times x[t], for r < rows and t < xrows;
+    q's and x's last dimensions contiguous. In vector registers: per block and row, 8 vectors of 16 bytes decoded as _e4m3_raw
     (a sign-extended byte shifted and masked) and multiplied into one block sum, which is then times 2^120 and
     times the block's scale (two exact power-of-two products), added per lane; the lanes summed at the end. The
-    rows share each block's loads of x; each row's arithmetic is the same for any `rows`."""
-    if rows not in _FP8_DOTS and numba is not None:
-        _FP8_DOTS[rows] = _make_fp8_dots(rows)
-    return _FP8_DOTS.get(rows)
+    rows share each block's loads of x, the rows of x each decoded weight vector; each entry's arithmetic is the
+    same for any `rows` and `xrows`."""
+    if (rows, xrows) not in _FP8_DOTS and numba is not None:
+        _FP8_DOTS[(rows, xrows)] = _make_fp8_dots(rows, xrows)
+    return _FP8_DOTS.get((rows, xrows))
 
 
-def _make_fp8_dots(rows: int):
+def _make_fp8_dots(rows: int, xrows: int):
     @numba.extending.intrinsic
     def dots(typingctx, q, s, row0, x, full, out, j):
         from numba.core import cgutils
@@ -45,7 +46,8 @@ def _make_fp8_dots(rows: int):
             undef = ir.Constant(v16f, ir.Undefined)
             row = [builder.add(row0_, ir.Constant(intp, r)) for r in range(rows)]
             srow = [builder.udiv(rw, ir.Constant(intp, FP8_BLOCK)) for rw in row]
-            totals = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(rows)]
+            pairs = [(r, t) for r in range(rows) for t in range(xrows)]
+            totals = {p: cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for p in pairs}
 
             def broadcast(v):
                 return builder.shuffle_vector(
@@ -54,23 +56,26 @@ def _make_fp8_dots(rows: int):
 
             with cgutils.for_range(builder, full_) as loop:
                 base = builder.mul(loop.index, ir.Constant(intp, FP8_BLOCK))
-                accs = [[ir.Constant(v16f, [0.0] * 16), ir.Constant(v16f, [0.0] * 16)] for _ in range(rows)]
+                accs = {p: [ir.Constant(v16f, [0.0] * 16), ir.Constant(v16f, [0.0] * 16)] for p in pairs}
                 for v in range(FP8_BLOCK // 16):
                     k = builder.add(base, ir.Constant(intp, 16 * v))
-                    xp = cgutils.get_item_pointer(
-                        context, builder, x_t, xa, [ir.Constant(intp, 0), k], wraparound=False
-                    )
-                    xv = builder.load(builder.bitcast(xp, v16f.as_pointer()), align=4)
+                    xvs = []
+                    for t in range(xrows):
+                        xp = cgutils.get_item_pointer(
+                            context, builder, x_t, xa, [ir.Constant(intp, t), k], wraparound=False
+                        )
+                        xvs.append(builder.load(builder.bitcast(xp, v16f.as_pointer()), align=4))
                     for r in range(rows):
                         qp = cgutils.get_item_pointer(context, builder, q_t, qa, [row[r], k], wraparound=False)
                         b = builder.sext(builder.load(builder.bitcast(qp, v16b.as_pointer()), align=1), v16i)
                         bits = builder.and_(
                             builder.shl(b, ir.Constant(v16i, [20] * 16)), ir.Constant(v16i, [0x87F00000 - 2**32] * 16)
                         )
-                        prod = builder.fmul(builder.bitcast(bits, v16f), xv, flags=fast)
-                        accs[r][v % 2] = builder.fadd(accs[r][v % 2], prod, flags=fast)
+                        wv = builder.bitcast(bits, v16f)
+                        for t in range(xrows):
+                            prod = builder.fmul(wv, xvs[t], flags=fast)
+                            accs[(r, t)][v % 2] = builder.fadd(accs[(r, t)][v % 2], prod, flags=fast)
                 for r in range(rows):
-                    block = builder.fadd(accs[r][0], accs[r][1], flags=fast)
                     sp = cgutils.get_item_pointer(context, builder, s_t, sa, [srow[r], loop.index], wraparound=False)
                     e = builder.zext(builder.load(sp), i32)  # UE8M0: 2^(e - 127), e = 0 -> 2^-127
                     sbits = builder.select(
@@ -78,11 +83,14 @@ def _make_fp8_dots(rows: int):
                         ir.Constant(i32, 1 << 22),
                         builder.shl(e, ir.Constant(i32, 23)),
                     )
-                    block = builder.fmul(block, broadcast(ir.Constant(f32, 2.0**120)))
-                    block = builder.fmul(block, broadcast(builder.bitcast(sbits, f32)))
-                    builder.store(builder.fadd(builder.load(totals[r]), block, flags=fast), totals[r])
-            for r in range(rows):
-                v = builder.load(totals[r])
+                    for t in range(xrows):
+                        block = builder.fadd(accs[(r, t)][0], accs[(r, t)][1], flags=fast)
+                        block = builder.fmul(block, broadcast(ir.Constant(f32, 2.0**120)))
+                        block = builder.fmul(block, broadcast(builder.bitcast(sbits, f32)))
+                        total = totals[(r, t)]
+                        builder.store(builder.fadd(builder.load(total), block, flags=fast), total)
+            for r, t in pairs:
+                v = builder.load(totals[(r, t)])
                 width = 16
                 while width > 1:
                     width //= 2
@@ -92,7 +100,7 @@ def _make_fp8_dots(rows: int):
                     )
                     v = builder.fadd(a, c)
                 col = builder.add(j_, ir.Constant(intp, r))
-                op = cgutils.get_item_pointer(context, builder, o_t, oa, [ir.Constant(intp, 0), col], wraparound=False)
+                op = cgutils.get_item_pointer(context, builder, o_t, oa, [ir.Constant(intp, t), col], wraparound=False)
                 builder.store(builder.extract_element(v, zero), op)
             return context.get_dummy_value()
 
