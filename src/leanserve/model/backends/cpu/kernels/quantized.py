@@ -115,7 +115,7 @@ if numba is not None:
 _FP8_4x1, _FP8_4x2, _FP8_2x3, _FP8_2x4, _FP8_1x1, _FP8_1x2, _FP8_1x3, _FP8_1x4 = [
     fp8_row_dots(r, t) for r, t in ((4, 1), (4, 2), (2, 3), (2, 4), (1, 1), (1, 2), (1, 3), (1, 4))
 ]
-_FP4_DOT = fp4_row_dots(1)  # (None without AVX-512: never called)
+_FP4_1x1, _FP4_1x2, _FP4_1x3, _FP4_1x4 = [fp4_row_dots(1, t) for t in (1, 2, 3, 4)]  # (None without AVX-512)
 
 
 def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
@@ -190,26 +190,36 @@ def _fp4_rows(x, packed, s, out, n):  # pragma: no cover - compiled
     # i), s [J, K / 32] UE8M0 exponents
     m, half = out.shape[1], packed.shape[1]
     step = FP4_GROUP // 2
-    if n == 1:  # one row: x's even and odd elements apart, then per row its groups' sums times their scales
-        xe = np.empty(half, dtype=np.float32)
-        xo = np.empty(half, dtype=np.float32)
-        for j in range(half):
-            xe[j] = x[0, 2 * j]
-            xo[j] = x[0, 2 * j + 1]
-        if _AVX512:  # (a row at a time: two sharing the loads of x measured slower, 2026-12-04)
+    if n <= 4:  # a few rows: x's even and odd elements apart, then per row its groups' sums times their scales
+        xe = np.empty((n, half), dtype=np.float32)
+        xo = np.empty((n, half), dtype=np.float32)
+        for t in range(n):
+            for j in range(half):
+                xe[t, j] = x[t, 2 * j]
+                xo[t, j] = x[t, 2 * j + 1]
+        if _AVX512:  # (a weight row at a time, each decoded group meeting every row of x)
             for row in range(m):
-                _FP4_DOT(packed, s, row, xe, xo, out, row)
+                if n == 1:
+                    _FP4_1x1(packed, s, row, xe, xo, out, row)
+                elif n == 2:
+                    _FP4_1x2(packed, s, row, xe, xo, out, row)
+                elif n == 3:
+                    _FP4_1x3(packed, s, row, xe, xo, out, row)
+                else:
+                    _FP4_1x4(packed, s, row, xe, xo, out, row)
             return
-        for row in range(m):
-            total = np.float32(0.0)
-            for g in range(half // step):
-                base = g * step
-                acc = np.float32(0.0)
-                for i in range(step):
-                    byte = np.int32(packed[row, base + i])
-                    acc += _e2m1(byte & np.int32(15)) * xe[base + i] + _e2m1(byte >> np.int32(4)) * xo[base + i]
-                total += acc * _ue8m0(s[row, g])
-            out[0, row] = total
+        for t in range(n):
+            for row in range(m):
+                total = np.float32(0.0)
+                for g in range(half // step):
+                    base = g * step
+                    acc = np.float32(0.0)
+                    for i in range(step):
+                        byte = np.int32(packed[row, base + i])
+                        acc += (_e2m1(byte & np.int32(15)) * xe[t, base + i]
+                                + _e2m1(byte >> np.int32(4)) * xo[t, base + i])  # fmt: skip
+                    total += acc * _ue8m0(s[row, g])
+                out[t, row] = total
         return
     buf = np.empty((ROW_BLOCK, 2 * half), dtype=np.float32)
     for j0 in range(0, m, ROW_BLOCK):

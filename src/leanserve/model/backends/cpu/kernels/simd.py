@@ -125,16 +125,17 @@ if numba is not None:
 _FP4_DOTS: dict = {}
 
 
-def fp4_row_dots(rows: int):
-    """The intrinsic `dots(packed, s, row0, xe, xo, out, j)` on AVX-512: out[0, j + r] = sum_k W[row0 + r, k] * x[k]
-    for r < rows, W FP4 (packed [J, K / 2] C-contiguous uint8, s [J, K / 32] UE8M0), x as its even and odd
-    elements xe, xo; the rows share the loads of x, each row's arithmetic the same for any `rows`."""
-    if rows not in _FP4_DOTS and _AVX512:
-        _FP4_DOTS[rows] = _make_fp4_dots(rows)
-    return _FP4_DOTS.get(rows)
+def fp4_row_dots(rows: int, xrows: int = 1):
+    """The intrinsic `dots(packed, s, row0, xe, xo, out, j)` on AVX-512: out[t, j + r] = sum_k W[row0 + r, k] *
+    x[t, k] for r < rows and t < xrows, W FP4 (packed [J, K / 2] C-contiguous uint8, s [J, K / 32] UE8M0), x as
+    its even and odd elements xe, xo [xrows, K / 2]; the rows share the loads of x, the rows of x each decoded
+    group; each entry's arithmetic the same for any `rows` and `xrows`."""
+    if (rows, xrows) not in _FP4_DOTS and _AVX512:
+        _FP4_DOTS[(rows, xrows)] = _make_fp4_dots(rows, xrows)
+    return _FP4_DOTS.get((rows, xrows))
 
 
-def _make_fp4_dots(rows: int):
+def _make_fp4_dots(rows: int, xrows: int):
     @numba.extending.intrinsic
     def dots(typingctx, packed, s, row0, xe, xo, out, j):
         from numba.core import cgutils
@@ -159,7 +160,8 @@ def _make_fp4_dots(rows: int):
             )
             groups = builder.udiv(builder.extract_value(pk.shape, 1), ir.Constant(intp, 16))
             row = [builder.add(row0_, ir.Constant(intp, r)) for r in range(rows)]
-            acc_ptrs = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(rows)]
+            pairs = [(r, t) for r in range(rows) for t in range(xrows)]
+            acc_ptrs = {p: cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for p in pairs}
             zero = ir.Constant(i32, 0)
 
             def scales(e):  # UE8M0 exponents (i32 or <16 x i32>) -> 2^(e - 127), e = 0 -> 2^-127
@@ -170,21 +172,26 @@ def _make_fp4_dots(rows: int):
                     builder.shl(e, ir.Constant(like, 23 if like == i32 else [23] * 16)),
                 )
 
-            def x_at(g):  # the group's even and odd elements of x
+            def x_at(g, t):  # the group's even and odd elements of x[t]
                 base = builder.mul(g, ir.Constant(intp, 16))
-                ep = cgutils.get_item_pointer(context, builder, xe_t, xe_a, [base], wraparound=False)
-                op = cgutils.get_item_pointer(context, builder, xo_t, xo_a, [base], wraparound=False)
+                tt = ir.Constant(intp, t)
+                ep = cgutils.get_item_pointer(context, builder, xe_t, xe_a, [tt, base], wraparound=False)
+                op = cgutils.get_item_pointer(context, builder, xo_t, xo_a, [tt, base], wraparound=False)
                 return (
                     builder.load(builder.bitcast(ep, v16f.as_pointer()), align=4),
                     builder.load(builder.bitcast(op, v16f.as_pointer()), align=4),
                 )
 
-            def group(r, g, xs, sv, acc):  # acc + the 32 products of row r's group g times its scale (sv)
+            def decode(r, g):  # row r's group g: its 32 values, low nibbles and high ones
                 base = builder.mul(g, ir.Constant(intp, 16))
                 bp = cgutils.get_item_pointer(context, builder, pk_t, pk, [row[r], base], wraparound=False)
                 b = builder.zext(builder.load(builder.bitcast(bp, v16b.as_pointer()), align=1), v16i)
                 lo = builder.call(perm, [lut, builder.and_(b, ir.Constant(v16i, [15] * 16))])
                 hi = builder.call(perm, [lut, builder.lshr(b, ir.Constant(v16i, [4] * 16))])
+                return lo, hi
+
+            def group(values, xs, sv, acc):  # acc + the group's 32 products times its scale (sv)
+                lo, hi = values
                 part = builder.fadd(
                     builder.fmul(lo, xs[0], flags=fast), builder.fmul(hi, xs[1], flags=fast), flags=fast
                 )
@@ -197,30 +204,34 @@ def _make_fp4_dots(rows: int):
             blocks = builder.udiv(groups, ir.Constant(intp, 16))
             with cgutils.for_range(builder, blocks) as loop:
                 g0 = builder.mul(loop.index, ir.Constant(intp, 16))
-                svs, accs = [], []
+                svs = []
                 for r in range(rows):
                     sp = cgutils.get_item_pointer(context, builder, s_t, sc, [row[r], g0], wraparound=False)
                     e16 = builder.zext(builder.load(builder.bitcast(sp, v16b.as_pointer()), align=1), v16i)
                     svs.append(builder.bitcast(scales(e16), v16f))
-                    accs.append([builder.load(acc_ptrs[r]), ir.Constant(v16f, [0.0] * 16)])  # two chains
+                accs = {p: [builder.load(acc_ptrs[p]), ir.Constant(v16f, [0.0] * 16)] for p in pairs}  # two chains
                 for k in range(16):
                     g = builder.add(g0, ir.Constant(intp, k))
-                    xs = x_at(g)
+                    xs = [x_at(g, t) for t in range(xrows)]
                     for r in range(rows):
-                        accs[r][k % 2] = group(r, g, xs, splat(svs[r], k), accs[r][k % 2])
-                for r in range(rows):
-                    builder.store(builder.fadd(accs[r][0], accs[r][1], flags=fast), acc_ptrs[r])
+                        values, sv = decode(r, g), splat(svs[r], k)
+                        for t in range(xrows):
+                            accs[(r, t)][k % 2] = group(values, xs[t], sv, accs[(r, t)][k % 2])
+                for p in pairs:
+                    builder.store(builder.fadd(accs[p][0], accs[p][1], flags=fast), acc_ptrs[p])
             done = builder.mul(blocks, ir.Constant(intp, 16))
             with cgutils.for_range(builder, builder.sub(groups, done)) as loop:
                 g = builder.add(done, loop.index)
-                xs = x_at(g)
+                xs = [x_at(g, t) for t in range(xrows)]
                 for r in range(rows):
                     sp = cgutils.get_item_pointer(context, builder, s_t, sc, [row[r], g], wraparound=False)
                     scale = builder.bitcast(scales(builder.zext(builder.load(sp), i32)), f32)
                     sv = splat(builder.insert_element(ir.Constant(v16f, ir.Undefined), scale, zero), 0)
-                    builder.store(group(r, g, xs, sv, builder.load(acc_ptrs[r])), acc_ptrs[r])
-            for r in range(rows):
-                v = builder.load(acc_ptrs[r])
+                    values = decode(r, g)
+                    for t in range(xrows):
+                        builder.store(group(values, xs[t], sv, builder.load(acc_ptrs[(r, t)])), acc_ptrs[(r, t)])
+            for r, t in pairs:
+                v = builder.load(acc_ptrs[(r, t)])
                 width = 16
                 while width > 1:  # lanes summed pairwise: halves added until one is left
                     width //= 2
@@ -230,7 +241,7 @@ def _make_fp4_dots(rows: int):
                     )
                     v = builder.fadd(a, c)
                 col = builder.add(j_, ir.Constant(intp, r))
-                op = cgutils.get_item_pointer(context, builder, o_t, oa, [ir.Constant(intp, 0), col], wraparound=False)
+                op = cgutils.get_item_pointer(context, builder, o_t, oa, [ir.Constant(intp, t), col], wraparound=False)
                 builder.store(builder.extract_element(v, zero), op)
             return context.get_dummy_value()
 
