@@ -10,6 +10,20 @@ from leanserve.model.quant import FP8_BLOCK
 if numba is not None:
     from llvmlite import ir
 
+
+def _lanes_sum(builder, v):
+    """A <16 x float>'s lanes summed pairwise, halves added until one is left, in that order (no fast-math
+    flags): the scalar."""
+    i32 = ir.IntType(32)
+    width = 16
+    while width > 1:
+        width //= 2
+        a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+        c = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
+        v = builder.fadd(a, c)
+    return builder.extract_element(v, ir.Constant(i32, 0))
+
+
 _FP8_DOTS: dict = {}
 
 
@@ -90,18 +104,9 @@ def _make_fp8_dots(rows: int, xrows: int):
                         total = totals[(r, t)]
                         builder.store(builder.fadd(builder.load(total), block, flags=fast), total)
             for r, t in pairs:
-                v = builder.load(totals[(r, t)])
-                width = 16
-                while width > 1:
-                    width //= 2
-                    a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
-                    c = builder.shuffle_vector(
-                        v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width)))
-                    )
-                    v = builder.fadd(a, c)
                 col = builder.add(j_, ir.Constant(intp, r))
                 op = cgutils.get_item_pointer(context, builder, o_t, oa, [ir.Constant(intp, t), col], wraparound=False)
-                builder.store(builder.extract_element(v, zero), op)
+                builder.store(_lanes_sum(builder, builder.load(totals[(r, t)])), op)
             return context.get_dummy_value()
 
         return numba.types.void(q, s, row0, x, full, out, j), codegen
@@ -231,18 +236,9 @@ def _make_fp4_dots(rows: int, xrows: int):
                     for t in range(xrows):
                         builder.store(group(values, xs[t], sv, builder.load(acc_ptrs[(r, t)])), acc_ptrs[(r, t)])
             for r, t in pairs:
-                v = builder.load(acc_ptrs[(r, t)])
-                width = 16
-                while width > 1:  # lanes summed pairwise: halves added until one is left
-                    width //= 2
-                    a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
-                    c = builder.shuffle_vector(
-                        v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width)))
-                    )
-                    v = builder.fadd(a, c)
                 col = builder.add(j_, ir.Constant(intp, r))
                 op = cgutils.get_item_pointer(context, builder, o_t, oa, [ir.Constant(intp, t), col], wraparound=False)
-                builder.store(builder.extract_element(v, zero), op)
+                builder.store(_lanes_sum(builder, builder.load(acc_ptrs[(r, t)])), op)
             return context.get_dummy_value()
 
         return numba.types.void(packed, s, row0, xe, xo, out, j), codegen
@@ -321,16 +317,7 @@ def _make_tile(rows: int, cols: int):
             done = builder.mul(chunks, ir.Constant(intp, 16))
             for r in range(rows):
                 for c in range(cols):
-                    v = builder.load(accs[r][c])
-                    width = 16
-                    while width > 1:  # (no fast-math flags: the order stays as written)
-                        width //= 2
-                        a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
-                        b = builder.shuffle_vector(
-                            v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width)))
-                        )
-                        v = builder.fadd(a, b)
-                    total = cgutils.alloca_once_value(builder, builder.extract_element(v, ir.Constant(i32, 0)))
+                    total = cgutils.alloca_once_value(builder, _lanes_sum(builder, builder.load(accs[r][c])))
                     with cgutils.for_range(builder, builder.sub(k_dim, done)) as loop:
                         k = builder.add(done, loop.index)
                         xp = cgutils.get_item_pointer(context, builder, x_t, xa, [xrow[r], k], wraparound=False)
