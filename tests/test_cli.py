@@ -294,3 +294,20 @@ def test_prebuild_compiles_every_format_in_parallel_and_names_a_failure(capsys, 
     assert main(["prebuild"]) == 1
     err = capsys.readouterr().err
     assert "compiling the kernels for float64 weights failed" in err and "expert" in err
+
+
+def test_prebuild_clears_builds_made_from_other_kernel_sources(tmp_path):
+    # numba would keep a kernel's build whose compiled-in callee (another file) changed: prebuild clears them all.
+    from leanserve.prebuild import clear_stale_builds
+
+    (tmp_path / "linear.py").write_text("A = 1\n")
+    (tmp_path / "__pycache__").mkdir()
+    built = [tmp_path / "__pycache__" / name for name in ("mix._hc_pre-1.py311.nbi", "mix._hc_pre-1.py311.1.nbc")]
+    for path in built:
+        path.write_text("old")
+    assert clear_stale_builds(tmp_path) and not any(p.exists() for p in built)  # (no record: built from unknown)
+    for path in built:
+        path.write_text("new")
+    assert not clear_stale_builds(tmp_path) and all(p.exists() for p in built)  # the same sources: kept
+    (tmp_path / "linear.py").write_text("A = 2\n")
+    assert clear_stale_builds(tmp_path) and not any(p.exists() for p in built)

@@ -10,11 +10,13 @@ possible: float32 with FP8 experts, bfloat16 with FP4 experts.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 GROUPS = (("float32", "fp8"), ("bfloat16", "fp4"))
 
@@ -38,9 +40,31 @@ def warm(fmt: str) -> None:
         llm.shutdown()
 
 
+KERNELS = Path(__file__).resolve().parent / "model" / "backends" / "cpu" / "kernels"
+STAMP = "leanserve-kernels.sha256"  # (beside the cached builds: the kernels' sources they were built from)
+
+
+def clear_stale_builds(kernels: Path = KERNELS) -> bool:
+    """numba tells a cached build apart by its own source file's time stamp, not by the files of the kernels and
+    intrinsics compiled into it, so after a change to one kernel file the others' builds may hold its old code.
+    When the kernel files differ from those the cache was built from, every cached build there is removed (they
+    are compiled again); True if it did."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(kernels.glob("*.py")))).hexdigest()
+    cache, stamp = kernels / "__pycache__", kernels / "__pycache__" / STAMP
+    if stamp.is_file() and stamp.read_text() == digest:
+        return False
+    for built in [*cache.glob("*.nbi"), *cache.glob("*.nbc")]:
+        built.unlink(missing_ok=True)
+    cache.mkdir(exist_ok=True)
+    stamp.write_text(digest)
+    return True
+
+
 def prebuild(jobs: int | None = None) -> float:
     """Runs the groups of formats in up to `jobs` processes at a time (default: one per core, at most one per
-    group); returns the seconds it took. A process that fails raises, with the end of its output."""
+    group), after clearing builds made from other kernel sources; returns the seconds it took. A process that fails
+    raises, with the end of its output."""
+    clear_stale_builds()
     jobs = min(jobs or os.cpu_count() or 1, len(GROUPS))
     start, pending, running = time.perf_counter(), list(GROUPS), []
     while pending or running:
