@@ -154,7 +154,7 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
         scores = np.empty((block * heads, keys), dtype=np.float32)
         _linear_tiles_jit(qh, kv, scores, block * heads)
         seen = np.empty(keys, dtype=np.int64)  # a query's keys (their places in kv), in key order
-        kept = np.empty((heads, keys), dtype=np.float32)  # per head, e^(score - max) at the query's keys
+        kept = np.empty((heads, keys), dtype=np.float32)  # per head, its scaled scores, then e^(score - max)
         ones = np.ones((1, keys), dtype=np.float32)
         total = np.empty((heads, 1), dtype=np.float32)
         tops = np.empty(heads, dtype=np.float32)
@@ -176,10 +176,11 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
                 row = scores[i * heads + h]
                 top = sink[h]
                 for j in range(count):
-                    top = max(top, row[seen[j]] * scale)
+                    kept[h, j] = row[seen[j]] * scale
+                    top = max(top, kept[h, j])
                 tops[h] = top
                 for j in range(count):
-                    kept[h, j] = _exp_jit(row[seen[j]] * scale - top)
+                    kept[h, j] = _exp_jit(kept[h, j] - top)
             # Each head's sum over the query's own keys, in their order, through the tiles' fixed order: the same
             # whichever other queries share the block.
             _linear_tiles_jit(kept[:, :count], ones[:, :count], total, heads)

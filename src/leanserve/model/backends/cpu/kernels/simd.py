@@ -114,12 +114,13 @@ def _make_fp8_dots(rows: int, xrows: int):
     return dots
 
 
-# FP4 at batch 1, on AVX-512: each row's dot product in vector registers (LLVM IR below: 16-byte groups of 32
-# values, 16 groups and their 16 scales per iteration), the codes decoded by a 16-entry table lookup in one instruction (vpermps) instead of the
-# bit arithmetic the compiled loops need: x is split into its even and odd elements once per call (byte j holds
-# element 2j in its low nibble, 2j + 1 in its high one), so the products of the low and high nibbles meet
-# contiguous halves of x; each group's products times its scale are summed per lane over the row, and the lanes
-# at the end (a float32 summation order of its own). Elsewhere the loop in _fp4_rows does the same math.
+# FP4 at one to four rows, on AVX-512: each weight row's dot products in vector registers (LLVM IR below: 16-byte
+# groups of 32 values, 16 groups and their 16 scales per iteration), the codes decoded by a 16-entry table lookup
+# in one instruction (vpermps) instead of the bit arithmetic the compiled loops need: x is split into its even and
+# odd elements once per call (byte j holds element 2j in its low nibble, 2j + 1 in its high one), so the products
+# of the low and high nibbles meet contiguous halves of x; each group's products times its scale are summed per
+# lane over the row, and the lanes at the end (a float32 summation order of its own). Elsewhere the loop in
+# _fp4_rows does the same math.
 _AVX512 = False
 if numba is not None:
     import llvmlite.binding as _llvm
