@@ -104,8 +104,12 @@ def byte_prices(cfg, batch: int) -> dict[str, float]:
 def byte_ceilings(cfg, batch: int) -> tuple[float, float]:
     """The k = 1 and k = 2 ceilings of `batch` sequences if each part of a step cost the weight bytes it reads
     (byte_prices): what an engine bound by memory could reach at best, whatever its kernels."""
-    p = byte_prices(cfg, batch)
-    return 2 / (p["verify"] + p["accepted"]), 3 / (p["verify2"] + p["two"])
+    return ceilings(byte_prices(cfg, batch))
+
+
+def ceilings(prices: dict[str, float]) -> tuple[float, float]:
+    """The k = 1 and k = 2 ceilings of steps whose parts cost `prices` (byte_prices' keys), in plain steps."""
+    return 2 / (prices["verify"] + prices["accepted"]), 3 / (prices["verify2"] + prices["two"])
 
 
 def spec_cost_bench(
@@ -161,13 +165,14 @@ def spec_cost_bench(
         plain = med.pop("plain")
         x = {k: v / plain for k, v in med.items()}  # in plain steps
         step, step2 = x["verify"] + x["accepted"], x["verify2"] + x["two"]
+        prices = byte_prices(runner.cfg, batch)
         rows.append(
             SpecCostRow(
                 batch, round(plain * 1e3, 3), round(x["verify"], 2), round(x["rejected"], 2), round(x["accepted"], 2),
                 round(step, 2), round(2 / step, 2), round(x["verify2"], 2), round(x["two"], 2), round(3 / step2, 2),
                 round(needed_acceptance(step, 1), 2), round(needed_acceptance(step2, 2), 2),
-                *[round(c, 2) for c in byte_ceilings(runner.cfg, batch)],
-                *[round(v, 2) for v in byte_prices(runner.cfg, batch).values()],
+                *[round(c, 2) for c in ceilings(prices)],
+                *[round(v, 2) for v in prices.values()],
             )
         )  # fmt: skip
     return rows
