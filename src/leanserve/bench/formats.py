@@ -26,8 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from leanserve.bench import peer
 from leanserve.bench.common import print_rows
 from leanserve.bench.options import add_output, add_threads, int_list
+from leanserve.bench.peer import PEERS
 from leanserve.bench.profile import PROFILE_HEADERS
 from leanserve.model.config import CSA, HCA, MOE, ModelConfig
 
@@ -411,6 +413,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=20, help="decode steps per format and batch size")
     p.add_argument("--profile", action="store_true", help="also: the published format's batch-1 step, kernel by kernel")
     p.add_argument("--mtp", action="store_true", help="give the model Flash's MTP layer (for bench spec-cost --model)")
+    p.add_argument("--peer", choices=PEERS, default=None, help="also: a peer engine's batch-1 decode (bench/peer.py)")
+    p.add_argument("--peer-converter", default=None, help="--peer llama.cpp: its convert_hf_to_gguf.py (or its dir)")
     add_threads(p)
     add_output(p)
 
@@ -420,14 +424,19 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--layers, --experts, --rounds and --vocab-size must be positive.")
     log = print if args.output == "table" else (lambda *a: None)
     profile = [] if args.profile else None
+    converter = peer.require(args.peer_converter) if args.peer else None  # (before any long work)
     rows, notes = formats_bench(
         args.dir, args.batch_sizes, args.layers, args.experts, args.vocab_size, args.rounds, log=log, profile=profile,
         mtp=args.mtp,
     )  # fmt: skip
+    peer_rows, peer_notes = peer.peer_bench(args.dir, converter, args.rounds, log=log) if converter else ([], [])
     if args.output == "json":
-        print(rows_json(rows, notes) if profile is None else json.dumps(
-            {**json.loads(rows_json(rows, notes)), "profile": [asdict(r) for r in profile]}
-        ))  # fmt: skip
+        out = json.loads(rows_json(rows, notes))
+        if profile is not None:
+            out["profile"] = [asdict(r) for r in profile]
+        if converter:
+            out["peer"] = {"notes": peer_notes, "rows": [asdict(r) for r in peer_rows]}
+        print(json.dumps(out))
     else:
         for line in notes:
             print(f"# {line}")
@@ -435,4 +444,9 @@ def run(args: argparse.Namespace) -> int:
         if profile:
             print("# the published format's batch-1 step, kernel by kernel (wall-clock time of each call)")
             print_rows(profile, "table", PROFILE_HEADERS)
+        if converter:
+            print(f"# the peer, {args.peer}: batch-1 decode of the same published checkpoint")
+            for line in peer_notes:
+                print(f"# {line}")
+            print_rows(peer_rows, "table", peer.PEER_HEADERS)
     return 0
