@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from leanserve.bench import formats, hidden_copy, kv, pp, prefix, spec, spec_cost, step, structured, throughput
+from leanserve.bench import formats, hidden_copy, kv, long, pp, prefix, spec, spec_cost, step, structured, throughput
 from leanserve.bench import serve as bench_serve
 from leanserve.bench.options import int_list, prepare
 from leanserve.errors import EngineDied, StageFailure
@@ -186,6 +186,7 @@ BENCHMARKS = {
     "structured": structured,
     "kv": kv,
     "prefix": prefix,
+    "long": long,
 }
 
 

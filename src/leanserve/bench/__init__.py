@@ -12,6 +12,7 @@ step         `bench step`: one decode step with the target-hidden buffer on vs o
 structured   `bench structured`: plain requests' tokens/s beside constrained ones vs beside none
 pp           `bench pp`: tokens/s of one stage vs N stages one step at a time vs N with overlap
 formats      `bench formats`: decode at DeepSeek-V4-Flash's per-layer scale, the published format vs bf16
+long         `bench long`: prefill by part, peak memory and decode at 4K-128K context on Flash's attention shapes
 options      the options they share (--output, --threads, integer lists) and the checks made before any runs
 common       what they share: the table / JSON printer, timers, the MTP runner, random prompts
 prompts      prompts from held-out code, and the held-out split of the code corpus (training reads it too)
