@@ -18,7 +18,7 @@ from leanserve.model.weights import AttentionWeights
 
 if TYPE_CHECKING:
     from leanserve.model.backends.torch import TorchBackend
-    from leanserve.model.batch import ForwardBatch
+    from leanserve.model.batch import AttnGroup, ForwardBatch
     from leanserve.model.cache import LayerCache
 
 Rope = torch.Tensor  # complex RoPE factors at the step's positions, see torch_math.blocks.ropes
@@ -69,31 +69,98 @@ def output(ops: TorchBackend, w: AttentionWeights, out: torch.Tensor) -> torch.T
     return ops.linears(ops.grouped_linear(grouped, w.wo_a).flatten(1), (w.wo_b,))[0]
 
 
+# The attention's working memory: a group's query blocks go through `attend` in passes of as many blocks as keep
+# a pass's largest tensor (its scores [blocks, queries, heads, keys], or the keys it reads) within this many
+# elements, whatever the context's length (see `attend_plan`).
+ATTEND_BUDGET = 64 * 2**20
+
+
 def attend(
     ops: TorchBackend, w: AttentionWeights, q, ring, new_kv, fb: ForwardBatch, cache: LayerCache, iq, rope
 ) -> torch.Tensor:
     """The attention proper: queries q [T, H, D] over the window keys (the ring, then this step's `new_kv` when
-    they did not go into the ring first) and the compressed rows each query sees (the indexer's top-k of them
-    when `iq`, its queries, is given); the output [T, H, D] inverse RoPE'd."""
+    they did not go into the ring first) and the compressed rows each query sees: where `iq`, the indexer's
+    queries, is given and a query sees more than topk rows, only the indexer's top-k of them (gathered per query,
+    `attend_chosen`); else every row it sees (masked). The output [T, H, D] inverse RoPE'd."""
     store = ring if new_kv is None else torch.cat([ring, new_kv])
-    out = None if fb.groups[0].is_identity else torch.empty_like(q)  # an identity group is the only one
+    out = torch.empty_like(q)
+    kind = w.layer_type
     for g in fb.groups:
-        keys, mask = store[g.key_index], g.key_mask  # [NB, Kw, D], [NB, Bq, Kw]
-        n = g.max_visible[w.layer_type] if w.compressor is not None else 0
-        if n:
-            rows = paged_rows(cache.comp_rows, fb.block_table, g.block_slot, n)  # [NB, n, D]
-            row_mask = torch.arange(n, device=q.device) < g.visible[w.layer_type][..., None]  # [NB, Bq, n]
-            if iq is not None and n > w.indexer.topk:
-                keys_i = paged_rows(cache.idx_rows, fb.block_table, g.block_slot, n)
-                row_mask = index_select(w.indexer, iq, g, keys_i, row_mask)
-            keys = torch.cat([keys, rows.to(keys.dtype)], dim=1)
-            mask = torch.cat([mask, row_mask], dim=-1)
-        attended = attend_scores(w, scores(w, g.gather(q), keys), mask, keys)  # [NB, Bq, H, D]
-        if g.is_identity:
-            out = attended.squeeze(1)
-        else:
-            out[g.q_rows[g.q_valid]] = attended[g.q_valid]
+        n = g.max_visible[kind] if w.compressor is not None else 0
+        topk = w.indexer.topk if iq is not None and n > w.indexer.topk else 0  # (0: the indexer does not choose)
+        num_blocks, block = g.q_rows.shape
+        step = attend_plan(num_blocks, block, w.heads, w.head_dim, g.key_index.shape[1], n, topk, ATTEND_BUDGET)
+        for b0 in range(0, num_blocks, step):
+            b = slice(b0, b0 + step)
+            qb, keys, mask = _gather(g, q, b), store[g.key_index[b]], g.key_mask[b]  # [nb, Bq, H, D], [nb, Kw, D]
+            seen = n if step >= num_blocks else int(g.visible[kind][b].max()) if n else 0  # (this pass's most)
+            if topk and seen > topk:
+                attended = attend_chosen(w, qb, keys, mask, fb, cache, g, b, seen, iq)
+            else:
+                if seen:
+                    rows = paged_rows(cache.comp_rows, fb.block_table, g.block_slot[b], seen)  # [nb, n, D]
+                    row_mask = torch.arange(seen, device=q.device) < g.visible[kind][b][..., None]  # [nb, Bq, n]
+                    keys = torch.cat([keys, rows.to(keys.dtype)], dim=1)
+                    mask = torch.cat([mask, row_mask], dim=-1)
+                attended = attend_scores(w, scores(w, qb, keys), mask, keys)  # [nb, Bq, H, D]
+            if g.is_identity:
+                out[b] = attended.squeeze(1)
+            else:
+                valid = g.q_valid[b]
+                out[g.q_rows[b][valid]] = attended[valid]
     return ops.apply_rope(out, rope, inverse=True)
+
+
+def attend_chosen(
+    w: AttentionWeights, q, keys, mask, fb: ForwardBatch, cache: LayerCache, g: AttnGroup, b: slice, n: int, iq
+) -> torch.Tensor:
+    """Blocks `b` of group g's queries q [nb, Bq, H, D] over their window `keys` [nb, Kw, D] (`mask` [nb, Bq, Kw])
+    and the compressed rows the indexer chooses for each among the first n (compressor.index_select): those rows
+    [nb, Bq, topk, D] are gathered from the pool, the scores cover the window and them alone, [nb, Bq, H, Kw + topk].
+    The same sink and softmax as `attend_scores`; -> [nb, Bq, H, D]."""
+    slots, table = g.block_slot[b], fb.block_table
+
+    def index_rows(blocks: slice, start: int, stop: int) -> torch.Tensor:
+        return paged_range(cache.idx_rows, table, slots[blocks], start, stop)
+
+    iq_b = _gather(g, iq[0], b), _gather(g, iq[1], b)
+    chosen = index_select(w.indexer, *iq_b, index_rows, g.visible[w.layer_type][b], n)  # [nb, Bq, topk], -1: none
+    rows = paged_pick(cache.comp_rows, table, slots, chosen.clamp_min(0)).to(keys.dtype)  # [nb, Bq, topk, D]
+    logits = torch.cat([scores(w, q, keys), torch.matmul(q, rows.transpose(-1, -2)) * w.head_dim**-0.5], dim=-1)
+    probs = probabilities(w, logits, torch.cat([mask, chosen >= 0], dim=-1), keys.dtype)  # [nb, Bq, H, Kw + topk]
+    window = keys.shape[1]
+    attended = torch.matmul(probs[..., :window].flatten(1, 2), keys).view(*q.shape)
+    return attended + torch.matmul(probs[..., window:], rows)
+
+
+def attend_plan(blocks: int, queries: int, heads: int, dim: int, window: int, n: int, topk: int, budget: int) -> int:
+    """Blocks per pass of `attend` for a group of `blocks` blocks of `queries` queries with `window` window keys
+    each, that sees up to n compressed rows, of which the indexer chooses topk (0: it does not choose): as many as
+    keep a pass's scores [blocks, queries, heads, keys + the sink] and keys ([blocks, window + n, dim], or the chosen rows
+    [blocks, queries, topk, dim]) each within `budget` elements (at least one block)."""
+    keys = window + (topk or n)
+    per_block = max(queries * heads * (keys + 1), (window + queries * topk if topk else keys) * dim)  # (+1: the sink)
+    return max(1, min(blocks, budget // max(1, per_block)))
+
+
+def paged_pick(pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` [NB, ...] (int64, >= 0) of each of `slots`' [NB] sequences from a pool [blocks, rows per
+    block, dim] -> [NB, ..., dim]: row c of slot s is pool[table[s, c // P], c % P] (see cache.paged_rows)."""
+    per_block = pool.shape[1]
+    flat = rows.flatten(1)  # [NB, m]
+    blocks = table[slots[:, None], flat // per_block].long()
+    return pool.view(-1, pool.shape[-1])[blocks * per_block + flat % per_block].view(*rows.shape, -1)
+
+
+def paged_range(pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of each of `slots`' sequences [NB, stop - start, dim] from a pool (see `paged_pick`)."""
+    rows = torch.arange(start, stop, device=pool.device).expand(slots.shape[0], -1)
+    return paged_pick(pool, table, slots, rows)
+
+
+def _gather(g: AttnGroup, x: torch.Tensor, b: slice) -> torch.Tensor:
+    """Per-token rows [T, ...] -> those of blocks `b`'s queries [nb, Bq, ...] (AttnGroup.gather on some blocks)."""
+    return x[b].unsqueeze(1) if g.is_identity else x[g.q_rows[b]]
 
 
 def scores(w: AttentionWeights, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -103,8 +170,14 @@ def scores(w: AttentionWeights, q: torch.Tensor, keys: torch.Tensor) -> torch.Te
 
 def attend_scores(w: AttentionWeights, scores: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """scores [NB, Bq, H, K] (see `scores`), mask [NB, Bq, K], keys (= values) [NB, K, D] -> [NB, Bq, H, D]."""
+    probs = probabilities(w, scores, mask, keys.dtype)
+    return torch.matmul(probs.flatten(1, 2), keys).view(*scores.shape[:3], -1)
+
+
+def probabilities(w: AttentionWeights, scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The attention's weights [NB, Bq, H, K] in `dtype` from scores [NB, Bq, H, K] and mask [NB, Bq, K]: the
+    softmax in float32 over the unmasked keys and the head's sink."""
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     # The sink is one extra logit per head that takes probability mass and contributes no value.
     sinks = w.sink.to(scores.dtype).view(1, 1, -1, 1).expand(*scores.shape[:-1], 1)
-    probs = torch.cat([scores, sinks], dim=-1).float().softmax(dim=-1)[..., :-1].to(keys.dtype)
-    return torch.matmul(probs.flatten(1, 2), keys).view(*scores.shape[:3], -1)
+    return torch.cat([scores, sinks], dim=-1).float().softmax(dim=-1)[..., :-1].to(dtype)

@@ -3,6 +3,7 @@ what they compute). `ops` is the stage's backend, through which the small ops ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,7 +13,7 @@ from leanserve.model.weights import CompressorWeights, IndexerWeights
 
 if TYPE_CHECKING:
     from leanserve.model.backends.torch import TorchBackend
-    from leanserve.model.batch import AttnGroup, CompressMeta
+    from leanserve.model.batch import CompressMeta
 
 
 def compress(
@@ -92,17 +93,91 @@ def index_queries(
     return ops.apply_rope(q, rope).float(), head_weights.float() * w.heads**-0.5
 
 
+# The indexer's working memory: a pass scores a chunk of rows for some query blocks, and its rows, its scores
+# [blocks, queries x heads, rows] and its candidates [blocks, queries, topk + rows] together hold at most this
+# many elements (float32: 256 MiB; see `index_plan`), whatever the context's length.
+INDEX_BUDGET = 64 * 2**20
+# Chunks of rows are multiples of this many: torch's CPU matmul (its BLAS) computes every column of such widths
+# alike, so that one key scores the same in any chunk (at other widths the edge columns may round differently).
+ROW_ALIGN = 64
+
+# (blocks, start, stop) -> the indexer's rows [start, stop) of those blocks' sequences [blocks, stop - start, d]
+Rows = Callable[[slice, int, int], torch.Tensor]
+
+
 def index_select(
     w: IndexerWeights,
-    queries: tuple[torch.Tensor, torch.Tensor],
-    group: AttnGroup,
-    keys: torch.Tensor,  # [NB, n, d]: the indexer's rows 0..n-1 of each block's sequence
-    visible: torch.Tensor,  # [NB, Bq, n] bool: rows each query may see
+    q: torch.Tensor,  # [NB, Bq, H, d] float32: each query's indexer queries (index_queries', gathered per query)
+    head_weights: torch.Tensor,  # [NB, Bq, H] float32: their head weights
+    keys: Rows,  # the indexer's rows of each block's sequence, a range at a time
+    visible: torch.Tensor,  # [NB, Bq] int64: query i of block b may see rows c < visible[b, i]
+    n: int,  # rows of each block's sequence that `keys` can give (>= visible)
+    budget: int | None = None,  # (INDEX_BUDGET)
 ) -> torch.Tensor:
-    """[NB, Bq, n] bool: the `topk` visible rows with the highest index scores, per query."""
-    q, head_weights = group.gather(queries[0]), group.gather(queries[1])  # [NB, Bq, H, d], [NB, Bq, H]
-    keys = keys.float()
-    return index_pick(w, index_scores(w, q, keys, head_weights).masked_fill(~visible, float("-inf")), visible)
+    """The Lightning Indexer's choice, per query: the `topk` rows it sees with the highest index scores (among
+    equal scores the lower row: the first topk of one stable descending sort of every row's score, -inf where not
+    seen, as `index_pick` chooses), as rows [NB, Bq, min(topk, n)] int64 in ascending order, -1 past those it sees
+    (a query that sees fewer than topk rows keeps every one). Scored a chunk of rows at a time with a running
+    top-k, so that no tensor holds every row's score (see `index_plan`)."""
+    num_blocks, block = q.shape[:2]
+    topk = min(w.topk, n)
+    out = torch.empty(num_blocks, block, topk, dtype=torch.long, device=q.device)
+    if topk == 0:
+        return out
+    budget = INDEX_BUDGET if budget is None else budget
+    step, chunk, width = index_plan(num_blocks, block, w.heads, w.head_dim, topk, n, budget)
+    scale = w.head_dim**-0.5
+    with torch.no_grad():
+        for b0 in range(0, num_blocks, step):
+            b = slice(b0, b0 + step)
+            qb, hw, seen = q[b].flatten(1, 2), head_weights[b].unsqueeze(2), visible[b, :, None]  # [nb, Bq*H, d] ..
+            best = rows = None
+            for c0 in range(0, n, chunk):
+                c1 = min(n, c0 + chunk)
+                # index_scores on the chunk's rows (ReLU and scale in place: the same values), at one width, a
+                # multiple of ROW_ALIGN: so that equal keys score exactly equal, and tie, in whichever chunk and
+                # place they fall (a matmul's float rounding may change with its shape and a column's place in it)
+                k = F.pad(keys(b, c0, c1).float(), (0, 0, 0, c0 + width - c1))
+                s = torch.matmul(qb, k.transpose(1, 2)).relu_().mul_(scale)  # [nb, Bq*H, width]
+                s = torch.matmul(hw, s.view(*hw.shape[:2], w.heads, -1)).squeeze(2)[..., : c1 - c0]  # [nb, Bq, c]
+                r = torch.arange(c0, c1, device=q.device).expand_as(s)
+                s = s.masked_fill_((r >= seen) | s.isnan(), float("-inf"))
+                best, rows = (s, r) if best is None else (torch.cat([best, s], -1), torch.cat([rows, r], -1))
+                best, rows = _keep_best(best, rows, topk)
+            out[b] = rows.masked_fill(rows >= seen, -1)
+    return out
+
+
+def index_plan(blocks: int, queries: int, heads: int, dim: int, topk: int, n: int, budget: int) -> tuple[int, int, int]:
+    """(blocks per pass, rows per chunk, the width a chunk is scored at) for scoring n rows of width `dim` for
+    `blocks` blocks of `queries` queries of `heads` heads each. A pass's rows [blocks, width, dim], scores
+    [blocks, queries x heads, width] and candidates [blocks, queries, topk + width] hold at most `budget` elements
+    together. Chunks are multiples of ROW_ALIGN rows, scored at one width (the last, or the only one, padded with
+    zero rows), and at least topk rows: passes take fewer blocks first (down to one, then fewer rows, at least
+    one, unaligned below ROW_ALIGN)."""
+    per_row = queries * (heads + 1) + dim  # a block's elements per row of a chunk (its topk kept are apart)
+    whole = -(-n // ROW_ALIGN) * ROW_ALIGN
+    least = min(whole, -(-max(topk, 1) // ROW_ALIGN) * ROW_ALIGN)  # the narrowest chunk worth a pass
+    step = max(1, min(blocks, budget // max(1, per_row * least + queries * topk)))
+    fit = max(1, (budget // step - queries * topk) // per_row)  # the widest chunk a pass holds
+    if fit >= whole:
+        return step, n, whole
+    if fit >= ROW_ALIGN:
+        return step, fit - fit % ROW_ALIGN, fit - fit % ROW_ALIGN
+    return step, min(fit, n), min(fit, n)
+
+
+def _keep_best(scores: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of each query's candidates (scores [.., m] without NaN, rows [.., m] ascending): the highest
+    scores, among equal ones the lower rows (a stable descending sort's first k), kept in row order. No sort:
+    every score above the k-th highest, then as many of those equal to it as are missing, lowest rows first."""
+    if scores.shape[-1] <= k:
+        return scores, rows
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    above, tied = scores > kth, scores == kth
+    keep = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k per query
+    shape = (*scores.shape[:-1], k)
+    return scores[keep].view(shape), rows[keep].view(shape)
 
 
 def index_scores(w: IndexerWeights, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
