@@ -571,35 +571,48 @@ def test_quantized_kernels_threaded_match_one_thread():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_index_select_matches_torch_with_ties():
-    from types import SimpleNamespace
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_index_select_streams_the_topk_a_full_sort_keeps(parts):
+    # The kernel streams the rows past (INDEX_ROWS at a time, in `parts` ranges) and keeps a query's topk best
+    # so far: it must choose exactly what one stable sort of every visible row's score chooses, ties (ReLU zeros,
+    # duplicated keys) to the lower row, queries that see at most topk rows keeping them all.
+    from leanserve.model.backends.cpu.kernels.attention import INDEX_ROWS
 
-    from leanserve.model.compressor import Indexer
-    from leanserve.model.torch_math.compressor import index_select
-
-    gen = torch.Generator().manual_seed(11)
-    heads, dim, topk, n = 4, 8, 5, 12
-    indexer = Indexer(16, 8, heads, dim, topk, 4, 1e-6)
-    q = torch.randn(6, heads, dim, generator=gen)
-    head_w = torch.randn(6, heads, generator=gen)
+    gen = torch.Generator().manual_seed(11 + parts)
+    heads, dim, topk, n, page = 8, 32, 7, 2 * INDEX_ROWS + 188, 4
+    q = torch.randn(8, heads, dim, generator=gen)
+    head_w = torch.randn(8, heads, generator=gen)
     keys = torch.randn(3, n, dim, generator=gen)
-    keys[1, 3:9] = 0.0  # rows scoring exactly 0: ties the choice must break by row order
-    q_rows = torch.tensor([[0, 1, 2], [3, 4, 0]])
-    q_valid = torch.tensor([[True, True, True], [True, True, False]])
+    keys[1, 3:300] = 0.0  # rows scoring exactly 0
+    keys[2, 100:200] = keys[2, 5]  # rows scoring exactly what row 5 does
+    q_rows = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    q_valid = torch.tensor([[True, True, True, False], [True, True, True, True]])
     slot = torch.tensor([1, 2])
-    visible = torch.tensor([[12, 4, 9], [11, 12, 0]])
-    group = SimpleNamespace(gather=lambda x: x[q_rows], block_slot=slot)
-    mask = (torch.arange(n) < visible[..., None]) & q_valid[..., None]
-    ref = index_select(indexer.weights(), (q, head_w), group, keys[slot], mask)
-    # The kernel reads the rows from a paged pool (blocks of 4 rows, scattered by the block table).
-    table = torch.randperm(9, generator=gen).view(3, 3).to(torch.int32)
-    pool = torch.empty(9, 4, dim)
-    pool[table.flatten().long()] = keys.view(9, 4, dim)
-    fast = torch.from_numpy(np.empty((2, 3, n), dtype=np.bool_))
-    cpu_kernels.index_select(q_rows.shape[0], q.numpy(), head_w.numpy(), q_rows.numpy(), q_valid.numpy(), slot.numpy(),
-                             table.numpy(), pool.numpy(), visible.numpy(), topk, dim**-0.5, fast.numpy())  # fmt: skip
-    assert torch.equal(fast, ref)
-    assert int(fast[0, 0].sum()) == topk and int(fast[0, 1].sum()) == 4
+    visible = torch.tensor([[n, 4, n - 101, 0], [n - 89, n, topk, topk + 1]])
+    # the reference: every visible row's score (in float64), one stable sort
+    qk = torch.einsum("bihd,bnd->bihn", q[q_rows].double(), keys[slot].double()).clamp(min=0) * dim**-0.5
+    score = torch.einsum("bihn,bih->bin", qk, head_w[q_rows].double())
+    score = score.masked_fill(torch.arange(n) >= visible[..., None], float("-inf"))
+    # (float32 scores from the kernel: rank with them where float64 would split float32 ties)
+    pages = -(-n // page)
+    table = torch.randperm(3 * pages, generator=gen).view(3, pages).to(torch.int32)
+    pool = torch.zeros(3 * pages, page, dim)
+    pool[table.flatten().long()] = torch.cat([keys, torch.zeros(3, pages * page - n, dim)], 1).view(-1, page, dim)
+    out = np.empty((2, 4, topk), dtype=np.int64)
+    cpu_kernels.index_select(1 << 20, q.numpy(), head_w.numpy(), q_rows.numpy(), q_valid.numpy(), slot.numpy(),
+                             table.numpy(), pool.numpy(), visible.numpy(), topk, dim**-0.5, parts, out)  # fmt: skip
+    for b in range(2):
+        for i in range(4):
+            m = int(visible[b, i])
+            got = [int(r) for r in out[b, i] if r >= 0]
+            assert got == sorted(got) and all(r < 0 for r in out[b, i, len(got) :])
+            if not q_valid[b, i]:
+                assert got == []
+            elif m <= topk:
+                assert got == list(range(m))
+            else:
+                order = score[b, i].float().sort(descending=True, stable=True).indices[:topk]
+                assert got == sorted(order.tolist()), (b, i)
 
 
 def test_bf16_weights_give_float32_tokens_at_half_the_weight_memory():

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from leanserve.model.cache import LayerCache
 
 NO_ROWS = np.empty((0, 1, 1), dtype=np.float32)
-NO_CHOICE = np.empty((0, 0, 0), dtype=np.bool_)
+NO_CHOICE = np.empty((0, 0, 0), dtype=np.int64)
+INDEX_PART_ROWS = 1024  # the fewest compressed rows worth a core of their own in the indexer's choice
 NO_NEW_KV = np.empty((0, 1), dtype=np.float32)  # (a step whose rows went into the ring first)
 NO_TABLE = np.empty((0, 0), dtype=np.int64)
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -118,8 +119,10 @@ def attend_arrays(w: AttentionWeights, q, ring, new_kv, group, table, most: int,
     chosen = NO_CHOICE
     idx = w.indexer
     if index_queries is not None and most > idx.topk:
-        chosen = np.empty((*q_rows.shape, most), dtype=np.bool_)
-        work = spread(q_rows.shape[0], q_rows.size * idx.heads * idx.head_dim * most)  # (query-row products x width)
+        chosen = np.empty((*q_rows.shape, idx.topk), dtype=np.int64)
+        # (fewer blocks than cores, as in decode: each block's rows split in ranges scored in parallel)
+        parts = max(1, min(-(-ck.threads() // q_rows.shape[0]), most // INDEX_PART_ROWS))
+        work = spread(q_rows.shape[0] * parts, q_rows.size * idx.heads * idx.head_dim * most)  # (products x width)
         ck.index_select(
             work,
             *index_queries,
@@ -131,6 +134,7 @@ def attend_arrays(w: AttentionWeights, q, ring, new_kv, group, table, most: int,
             visible,
             idx.topk,
             idx.head_dim**-0.5,
+            parts,
             chosen,
         )
     work = spread(q_rows.shape[0], q_rows.size * q.shape[1] * q.shape[2] * (key_index.shape[1] + most))  # (likewise)

@@ -23,6 +23,7 @@ from leanserve.model.backends.cpu.kernels.base import (
     np_,
     numba,
     one_thread,
+    threads,
     weight_np,
 )
 from leanserve.model.backends.cpu.kernels.linear import grouped_linear
@@ -50,5 +51,5 @@ __all__ = [
     "dequantized",
     "disabled", "grouped_linear", "grouped_linear_fp8", "hc_post", "hc_post_pre", "hc_pre", "index_select",
     "limit_threads", "matmuls", "moe_tokens", "moe_work", "norm_rope", "np_", "numba", "one_thread", "rms_norm",
-    "stored", "weight_np",
+    "stored", "threads", "weight_np",
 ]  # fmt: skip

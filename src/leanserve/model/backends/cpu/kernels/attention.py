@@ -1,5 +1,5 @@
-"""The KV compressor's decode-sized step, attention over a step's query blocks (two small matmuls each), and
-the Lightning Indexer's top-k selection."""
+"""The KV compressor's decode-sized step, attention over a step's query blocks (small matmuls through the linear's tiles),
+and the Lightning Indexer's streaming top-k selection."""
 
 from __future__ import annotations
 
@@ -83,27 +83,88 @@ compress = Threaded(_compress, min_work=64)
 
 
 # --- attention over a step's query blocks -----------------------------------------------------------------
+KEY_BLOCK = 64  # keys a query's scores are computed against at a time (64 KB at 512 wide: they stay in L2)
+
+
+def _scores_of(q, kv, keys, scores):  # pragma: no cover - compiled
+    # scores[:, :keys] = q [R, D] . kv[:keys] [*, D], KEY_BLOCK keys at a time through the linear's tiles (each
+    # entry the same arithmetic in any tile: see _linear_tiles)
+    for j0 in range(0, keys, KEY_BLOCK):
+        j1 = min(keys, j0 + KEY_BLOCK)
+        _linear_tiles_jit(q, kv[j0:j1], scores[:, j0:j1], q.shape[0])
+
+
+_scores_of_jit = _jit(_scores_of)
+
+
+def _probabilities(scores, seen, count, sink, scale, kept, ones, total, tops):  # pragma: no cover - compiled
+    # One query's scores [H, K] (its heads' rows; keys it does not see among them) -> its softmax probabilities
+    # in place, over its keys seen[:count] (places in the K columns, in key order) and each head's sink logit;
+    # 0 at the keys it does not see. Each head's sum runs over the query's own keys alone, in their order,
+    # through the tiles' fixed order: the same whichever other queries share the key columns.
+    heads, keys = scores.shape
+    for h in range(heads):
+        row = scores[h]
+        top = sink[h]
+        for j in range(count):
+            kept[h, j] = row[seen[j]] * scale
+            top = max(top, kept[h, j])
+        tops[h] = top
+        for j in range(count):
+            kept[h, j] = _exp_jit(kept[h, j] - top)
+    _linear_tiles_jit(kept[:, :count], ones[:, :count], total, heads)
+    for h in range(heads):
+        row = scores[h]
+        inv = np.float32(1.0) / (total[h, 0] + _exp_jit(sink[h] - tops[h]))
+        for k in range(keys):
+            row[k] = np.float32(0.0)
+        for j in range(count):
+            row[seen[j]] = kept[h, j] * inv
+
+
+_probabilities_jit = _jit(_probabilities)
+
+
+def _rotate_out(values, freqs, t, out):  # pragma: no cover - compiled
+    # out[t] = values [H, D] rotated back by RoPE (the inverse of freqs at token t: multiply by its conjugate)
+    heads, dim = values.shape
+    half = freqs.shape[1]
+    lead = dim - 2 * half
+    for h in range(heads):
+        acc = values[h]
+        for d in range(lead):
+            out[t, h, d] = acc[d]
+        for p2 in range(half):
+            cr, ci = freqs[t, p2, 0], freqs[t, p2, 1]
+            re, im = acc[lead + 2 * p2], acc[lead + 2 * p2 + 1]
+            out[t, h, lead + 2 * p2] = re * cr + im * ci
+            out[t, h, lead + 2 * p2 + 1] = im * cr - re * ci
+
+
+_rotate_out_jit = _jit(_rotate_out)
+
+
 def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, rows, visible, chosen, sink, scale,
             freqs, out):  # fmt: skip
     # (compiled) Shared-KV attention (keys = values) for one group of query blocks, see model/batch.py:
     #   q [T, H, D] RoPE'd queries; window keys are store rows key_index[b, :] masked by key_mask[b, i, :],
     #   where the store is ring [Rr, D] followed by new_kv [T, D]; then the compressed rows 0..n-1 of slot[b]'s
     #   sequence (row c at rows[table[slot[b], c // P], c % P] of the pool rows [blocks, P, D], model/cache.py)
-    #   with n = visible[b, i], restricted to chosen[b, i, :] when chosen is not empty (the indexer's top-k:
-    #   the block then reads only the rows some query of it chose).
+    #   with n = visible[b, i]; or, when chosen [NB, Bq, k] is not empty (the indexer's top-k), the rows
+    #   chosen[b, i, :] (ascending, -1 after the last).
     # Each head has a sink logit (probability mass, no value). The output is rotated back by RoPE (the
     # inverse of freqs at the query's token) and written to out[q_rows[b, i]].
-    # Per block, its keys are gathered once for all its queries and heads (the KV is shared); the scores are a
-    # small matmul through the linear's register tiles (rows are (query, head) pairs), masked keys get
-    # probability 0; each row's softmax sum runs over its own keys alone, and the weighted values are one chain
-    # of multiply-adds per entry in key order (_weighted_rows): a query's output is the same whichever other
-    # queries share its block, so a token gets the same output in any step (batch invariance).
+    # With the indexer's choice, each query reads its own keys alone: its window and its k rows. Without it, a
+    # block's keys (its window span and every row its queries see: they differ by a row at most) are gathered
+    # once for all its queries and heads (the KV is shared). Either way the scores are small matmuls through the
+    # linear's register tiles, a query's softmax sums run over its own keys alone, and the weighted values are
+    # one chain of multiply-adds per entry in key order (_weighted_rows; keys a query does not see weigh an exact
+    # 0): a query's output is the same whichever other queries share its block, so a token gets the same output
+    # in any step (batch invariance).
     num_blocks, block = q_rows.shape
     heads, dim = q.shape[1], q.shape[2]
     ring_rows = ring.shape[0]
     width = key_index.shape[1]
-    half = freqs.shape[1]
-    lead = dim - 2 * half
     picked = chosen.shape[0] > 0
     per_block = rows.shape[1]
     for b in prange(num_blocks):
@@ -111,18 +172,6 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
         for i in range(block):
             if q_valid[b, i]:
                 most = max(most, visible[b, i])
-        # The compressed rows the block reads: every visible one, or with the indexer's choice only those some
-        # query of the block chose (the others would get probability 0).
-        sel = np.arange(most)
-        comp = most
-        if picked:
-            comp = 0
-            for c in range(most):
-                for i in range(block):
-                    if q_valid[b, i] and c < visible[b, i] and chosen[b, i, c]:
-                        sel[comp] = c
-                        comp += 1
-                        break
         # The window keys the block reads: from the first one some query of it sees to the last (at the start of
         # a sequence, or in a short chunk, the leading ones are before its first token).
         lo, hi = width, 0
@@ -138,74 +187,67 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
                         break
         span = max(hi - lo, 0)
         lo = min(lo, hi)
-        keys = span + comp
-        kv = np.empty((keys, dim), dtype=np.float32)  # the block's keys (= values)
+        keys = span + (chosen.shape[2] if picked else most)
+        kv = np.empty((keys, dim), dtype=np.float32)  # the keys (= values) of a query (picked) or of the block
         for k in range(span):
             r = key_index[b, lo + k]
             _copy_row_jit(kv[k], ring[r] if r < ring_rows else new_kv[r - ring_rows])
-        for j in range(comp):
-            c = sel[j]
-            _copy_row_jit(kv[span + j], rows[table[slot[b], c // per_block], c % per_block])
+        if not picked:
+            for c in range(most):
+                _copy_row_jit(kv[span + c], rows[table[slot[b], c // per_block], c % per_block])
+        seen = np.empty(keys, dtype=np.int64)  # a query's keys (their places in kv), in key order
+        kept = np.empty((heads, keys), dtype=np.float32)
+        ones = np.ones((1, keys), dtype=np.float32)
+        total = np.empty((heads, 1), dtype=np.float32)
+        tops = np.empty(heads, dtype=np.float32)
+        values = np.empty((heads, dim), dtype=np.float32)
+        if picked:
+            qkv = np.empty((keys, dim), dtype=np.float32)  # the query's own keys: its window, then its rows
+            scores = np.empty((heads, keys), dtype=np.float32)
+            for i in range(block):
+                if not q_valid[b, i]:
+                    continue
+                count = 0
+                for k in range(span):
+                    if key_mask[b, i, lo + k]:
+                        _copy_row_jit(qkv[count], kv[k])
+                        seen[count] = count
+                        count += 1
+                for j in range(chosen.shape[2]):
+                    c = chosen[b, i, j]
+                    if c < 0:
+                        break
+                    _copy_row_jit(qkv[count], rows[table[slot[b], c // per_block], c % per_block])
+                    seen[count] = count
+                    count += 1
+                t = q_rows[b, i]
+                _scores_of_jit(q[t], qkv, count, scores)
+                _probabilities_jit(scores[:, :count], seen, count, sink, scale, kept, ones, total, tops)
+                _weighted_rows_jit(scores[:, :count], qkv[:count], values, heads)
+                _rotate_out_jit(values, freqs, t, out)
+            continue
         qh = np.zeros((block * heads, dim), dtype=np.float32)  # rows (query i, head h) at i * heads + h
         for i in range(block):
             if q_valid[b, i]:
                 for h in range(heads):
                     _copy_row_jit(qh[i * heads + h], q[q_rows[b, i], h])
         scores = np.empty((block * heads, keys), dtype=np.float32)
-        _linear_tiles_jit(qh, kv, scores, block * heads)
-        seen = np.empty(keys, dtype=np.int64)  # a query's keys (their places in kv), in key order
-        kept = np.empty((heads, keys), dtype=np.float32)  # per head, its scaled scores, then e^(score - max)
-        ones = np.ones((1, keys), dtype=np.float32)
-        total = np.empty((heads, 1), dtype=np.float32)
-        tops = np.empty(heads, dtype=np.float32)
+        _scores_of_jit(qh, kv, keys, scores)
         for i in range(block):
             if not q_valid[b, i]:
                 continue
             n = visible[b, i]
             count = 0
             for k in range(keys):
-                if k < span:
-                    mine = key_mask[b, i, lo + k]
-                else:
-                    c = sel[k - span]
-                    mine = c < n and (not picked or chosen[b, i, c])
-                if mine:
+                if (key_mask[b, i, lo + k]) if k < span else (k - span < n):
                     seen[count] = k
                     count += 1
-            for h in range(heads):
-                row = scores[i * heads + h]
-                top = sink[h]
-                for j in range(count):
-                    kept[h, j] = row[seen[j]] * scale
-                    top = max(top, kept[h, j])
-                tops[h] = top
-                for j in range(count):
-                    kept[h, j] = _exp_jit(kept[h, j] - top)
-            # Each head's sum over the query's own keys, in their order, through the tiles' fixed order: the same
-            # whichever other queries share the block.
-            _linear_tiles_jit(kept[:, :count], ones[:, :count], total, heads)
-            for h in range(heads):
-                row = scores[i * heads + h]
-                inv = np.float32(1.0) / (total[h, 0] + _exp_jit(sink[h] - tops[h]))
-                for k in range(keys):  # (keys the query does not see: probability 0)
-                    row[k] = np.float32(0.0)
-                for j in range(count):
-                    row[seen[j]] = kept[h, j] * inv
-        values = np.empty((block * heads, dim), dtype=np.float32)
-        _weighted_rows_jit(scores, kv, values, block * heads)  # (each entry in key order: see its notes)
+            own = scores[i * heads : (i + 1) * heads]
+            _probabilities_jit(own, seen, count, sink, scale, kept, ones, total, tops)
         for i in range(block):
-            if not q_valid[b, i]:
-                continue
-            t = q_rows[b, i]
-            for h in range(heads):
-                acc = values[i * heads + h]
-                for d in range(lead):
-                    out[t, h, d] = acc[d]
-                for p2 in range(half):  # inverse RoPE: multiply by conj(freqs)
-                    cr, ci = freqs[t, p2, 0], freqs[t, p2, 1]
-                    re, im = acc[lead + 2 * p2], acc[lead + 2 * p2 + 1]
-                    out[t, h, lead + 2 * p2] = re * cr + im * ci
-                    out[t, h, lead + 2 * p2 + 1] = im * cr - re * ci
+            if q_valid[b, i]:
+                _weighted_rows_jit(scores[i * heads : (i + 1) * heads], kv, values, heads)
+                _rotate_out_jit(values, freqs, q_rows[b, i], out)
 
 
 # work = query-key dot products times the keys' width, over the window's keys and the compressed rows (see
@@ -213,58 +255,108 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
 attend = Threaded(_attend, min_work=1 << 17)
 
 
-def _index_select(q, head_w, q_rows, q_valid, slot, table, keys, visible, topk, scale, out):  # pragma: no cover
-    # (compiled) The Lightning Indexer's choice for one group of query blocks: score each visible compressed row
-    # c < visible[b, i] as sum_h head_w[t, h] * relu(q[t, h] . keys[slot[b], c]) * scale and keep the `topk`
-    # best (ties to the lower row: the stable sort's choice, kept by insertion into the topk best so far, no
-    # sort), out [NB, Bq, n] bool. q [T, H, d], head_w [T, H], keys the indexer's pool [blocks, P, d] (row c of
-    # slot s at keys[table[s, c // P], c % P]).
+# --- the Lightning Indexer's top-k ------------------------------------------------------------------------
+INDEX_ROWS = 256  # compressed rows scored at a time (their keys, 128 KB at 128 wide, stay in L2 for every query)
+
+
+def _keep_best(score, row, kept, topk):  # pragma: no cover - compiled
+    # score[:kept], row[:kept] (rows ascending) -> their `topk` best in place (the higher score; of equal ones,
+    # the lower row: the stable sort's choice), still in ascending row order; returns how many are kept
+    if kept <= topk:
+        return kept
+    best = np.sort(np.argsort(-score[:kept], kind="mergesort")[:topk])  # (stable: ties keep row order)
+    for j in range(topk):  # (best[j] >= j: nothing is overwritten before it is read)
+        score[j] = score[best[j]]
+        row[j] = row[best[j]]
+    return topk
+
+
+_keep_best_jit = _jit(_keep_best)
+
+
+def _index_select(q, head_w, q_rows, q_valid, slot, table, keys, visible, topk, scale, parts, out):  # pragma: no cover
+    # (compiled) The Lightning Indexer's choice for one group of query blocks: each visible compressed row
+    # c < visible[b, i] scores sum_h head_w[t, h] * scale * relu(q[t, h] . keys row c), and a query keeps its
+    # `topk` best (of equal scores, the lower row): out [NB, Bq, topk] their rows ascending, -1 after the last (a
+    # query that sees at most topk rows keeps them all). q [T, H, d], head_w [T, H], keys the indexer's pool
+    # [blocks, P, d] (row c of slot s at keys[table[s, c // P], c % P]).
+    # The rows stream past INDEX_ROWS at a time: their scores for every query of the block, then each query's
+    # candidates that beat its k-th best so far; the candidates (up to 2 * topk) are cut back to the topk best
+    # when full. A block's rows may be split in `parts` ranges scored in parallel (decode: one query per block),
+    # whose candidates are merged at the end; the choice is exact, so it does not depend on the split, and each
+    # score is the same arithmetic in any step (the linear's tiles, heads summed in order): batch invariant.
     num_blocks, block = q_rows.shape
     heads, dim = q.shape[1], q.shape[2]
-    n = out.shape[2]
     per_block = keys.shape[1]
-    flat = keys.reshape(-1, dim)  # (pool rows, so that a row is two loads, not a view per query and row)
-    for b in prange(num_blocks):
-        best = np.empty(topk, dtype=np.float32)  # the topk best scores so far, best first, and their rows
-        rows = np.empty(topk, dtype=np.int64)
-        at = np.empty(n, dtype=np.int64)  # the pool row of each of the sequence's rows
-        for c in range(n):
-            at[c] = np.int64(table[slot[b], c // per_block]) * per_block + c % per_block
+    flat = keys.reshape(-1, dim)
+    room = 2 * topk
+    cand_s = np.empty((num_blocks, parts, block, room), dtype=np.float32)
+    cand_r = np.empty((num_blocks, parts, block, room), dtype=np.int64)
+    cand_n = np.zeros((num_blocks, parts, block), dtype=np.int64)
+    for u in prange(num_blocks * parts):
+        b, part = u // parts, u % parts
+        most = 0
         for i in range(block):
-            for c in range(n):
-                out[b, i, c] = False
+            if q_valid[b, i]:
+                most = max(most, visible[b, i])
+        if most <= topk:
+            continue
+        lo, hi = most * part // parts, most * (part + 1) // parts
+        floor = np.full(block, -np.inf, dtype=np.float32)  # each query's k-th best after its last cut
+        chunk = np.empty((INDEX_ROWS, dim), dtype=np.float32)
+        scores = np.empty((heads, INDEX_ROWS), dtype=np.float32)
+        total = np.empty(INDEX_ROWS, dtype=np.float32)
+        for c0 in range(lo, hi, INDEX_ROWS):
+            c1 = min(hi, c0 + INDEX_ROWS)
+            for c in range(c0, c1):
+                _copy_row_jit(chunk[c - c0], flat[np.int64(table[slot[b], c // per_block]) * per_block + c % per_block])
+            for i in range(block):
+                m = visible[b, i]
+                if not q_valid[b, i] or m <= topk or c0 >= m:
+                    continue
+                t, n = q_rows[b, i], min(c1, m) - c0
+                _linear_tiles_jit(q[t], chunk[:n], scores, heads)
+                for r in range(n):
+                    total[r] = np.float32(0.0)
+                for h in range(heads):
+                    wh = head_w[t, h] * np.float32(scale)
+                    for r in range(n):
+                        total[r] += max(scores[h, r], np.float32(0.0)) * wh
+                s, rr = cand_s[b, part, i], cand_r[b, part, i]
+                kept = cand_n[b, part, i]
+                for r in range(n):
+                    if total[r] > floor[i]:
+                        s[kept] = total[r]
+                        rr[kept] = c0 + r
+                        kept += 1
+                        if kept == room:
+                            kept = _keep_best_jit(s, rr, kept, topk)
+                            floor[i] = np.min(s[:kept])
+                cand_n[b, part, i] = kept
+    for b in prange(num_blocks):
+        merged_s = np.empty(parts * room, dtype=np.float32)
+        merged_r = np.empty(parts * room, dtype=np.int64)
+        for i in range(block):
+            for j in range(topk):
+                out[b, i, j] = -1
+            m = visible[b, i]
             if not q_valid[b, i]:
                 continue
-            t = q_rows[b, i]
-            m = visible[b, i]
             if m <= topk:
                 for c in range(m):
-                    out[b, i, c] = True
+                    out[b, i, c] = c
                 continue
-            kept = 0
-            for c in range(m):
-                r = at[c]
-                total = np.float32(0.0)
-                for h in range(heads):
-                    s = np.float32(0.0)
-                    for d in range(dim):
-                        s += q[t, h, d] * flat[r, d]
-                    total += max(s, np.float32(0.0)) * scale * head_w[t, h]
-                # Insert after every kept score >= total (an equal score keeps the lower row), if it makes the cut.
-                if kept == topk and total <= best[topk - 1]:
-                    continue
-                j = kept if kept < topk else topk - 1
-                while j > 0 and best[j - 1] < total:
-                    best[j] = best[j - 1]
-                    rows[j] = rows[j - 1]
-                    j -= 1
-                best[j] = total
-                rows[j] = c
-                kept = min(kept + 1, topk)
-            for r in range(topk):
-                out[b, i, rows[r]] = True
+            kept = 0  # the parts' candidates in part order: rows ascending
+            for part in range(parts):
+                for j in range(cand_n[b, part, i]):
+                    merged_s[kept] = cand_s[b, part, i, j]
+                    merged_r[kept] = cand_r[b, part, i, j]
+                    kept += 1
+            kept = _keep_best_jit(merged_s, merged_r, kept, topk)
+            for j in range(kept):
+                out[b, i, j] = merged_r[j]
 
 
 # work = the query-row dot products of a block's queries and heads, times the rows' width: threads pay from about
-# eight decode blocks of the shipped model (2 cores); a block is one prange iteration
+# eight decode blocks of the shipped model (2 cores); a block (or a part of its rows) is one prange iteration
 index_select = Threaded(_index_select, min_work=1 << 17)

@@ -136,6 +136,14 @@ def one_thread():
         _max_threads = before
 
 
+def threads() -> int:
+    """How many cores a threaded build spreads over here (1 where threaded builds do not run)."""
+    if not _threads_ok():
+        return 1
+    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    return n if _max_threads is None else min(n, _max_threads)
+
+
 def _threads_ok() -> bool:
     """Whether threaded builds run: torch may use more than one thread (`--threads`, torch.set_num_threads),
     and numba has more than one and its OpenMP (or TBB) threading layer. Its fallback layer (workqueue) costs

@@ -114,12 +114,13 @@ def _weighted_rows(p, v, out, n):  # pragma: no cover - compiled
     # out[:n] = p[:n] @ v for p [>=n, K], v [K, D] (last dimensions contiguous): every entry one chain of
     # multiply-adds in k order (simd.weighted_rows, and the last D % 32 columns one by one): a row's output
     # does not depend on the other rows, and zero weights add exact zeros.
+    # Column strips outermost: a strip of v (32 columns of every key) stays in L2 while every row passes over it.
     keys, dim = v.shape
     wide = dim - dim % 32
-    r = 0
-    while r < n:
-        left = n - r
-        for d0 in range(0, wide, 32):
+    for d0 in range(0, wide, 32):
+        r = 0
+        while r < n:
+            left = n - r
             if left >= 4:
                 _W4(p, v, out, r, d0)
             elif left == 3:
@@ -128,13 +129,13 @@ def _weighted_rows(p, v, out, n):  # pragma: no cover - compiled
                 _W2(p, v, out, r, d0)
             else:
                 _W1(p, v, out, r, d0)
-        for i in range(r, r + min(left, 4)):
-            for d in range(wide, dim):
-                s = np.float32(0.0)
-                for k in range(keys):
-                    s += p[i, k] * v[k, d]
-                out[i, d] = s
-        r += 4
+            r += 4
+    for i in range(n):
+        for d in range(wide, dim):
+            s = np.float32(0.0)
+            for k in range(keys):
+                s += p[i, k] * v[k, d]
+            out[i, d] = s
 
 
 _weighted_rows_jit = _jit(_weighted_rows, fastmath=_EXACT)
