@@ -110,5 +110,14 @@ def test_the_conversion_tokenizer_loads_and_holds_the_bench_configs_special_toke
     assert tok.decode(tok.encode("def f(x): return x").ids) == "def f(x): return x"
 
 
+def test_a_checkpoint_with_rates_llama_cpp_cannot_load_is_refused_before_conversion(tmp_path):
+    published = tmp_path / "published"
+    published.mkdir()
+    (published / "config.json").write_text('{"compress_ratios": [0, 4, 16]}')  # the shipped model's HCA rate
+    with pytest.raises(ValueError, match=r"rates \(0, 4, 128\) only; .* has \[0, 4, 16\]"):
+        peer.convert(published, tmp_path / "no-converter.py")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["published"]
+
+
 def _must_not_run(*args, **kwargs):
     raise AssertionError("a checkpoint was made before the peer's check")

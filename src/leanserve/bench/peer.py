@@ -34,6 +34,8 @@ CONVERTER_ENV = "LEANSERVE_LLAMA_CPP_CONVERTER"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "leanserve"
 CONVERTER = "convert_hf_to_gguf.py"
 PROMPT_LEN = 16  # formats_bench's prompt: tokens 3..18, then token 5 fed at position 16 (its _Decoder)
+AGREE_TOKENS = 64  # leanserve's greedy tokens the agreement is counted over (steps past the timed ones untimed)
+RATES = (0, 4, 128)  # the compression rates llama.cpp's DeepSeek-V4 loader accepts
 LEANSERVE_FORMAT = "FP8 + FP4 (published)"
 
 
@@ -188,6 +190,11 @@ def write_tokenizer(dst: Path) -> None:
 def convert(published: Path, converter: Path, log=print) -> Path:
     """published's GGUF (published.gguf beside it), converted once and reused while newer than every file of the
     checkpoint. The converter reads a directory of links to the checkpoint's files plus write_tokenizer's."""
+    rates = json.loads((published / "config.json").read_text()).get("compress_ratios", [])
+    if any(r not in RATES for r in rates):
+        raise ValueError(
+            f"llama.cpp's DeepSeek-V4 loader takes compression rates {RATES} only; {published} has {rates}."
+        )
     out = published.parent / "published.gguf"
     newest = max(p.stat().st_mtime for p in published.iterdir())
     if out.is_file() and out.stat().st_mtime >= newest:
@@ -241,11 +248,16 @@ def teacher_forced(llm, tokens: Sequence[int], first: int) -> list[int]:
 
 
 def peer_bench(
-    root: str | Path, converter: Path, rounds: int = 20, prompt_len: int = PROMPT_LEN, log=print
+    root: str | Path,
+    converter: Path,
+    rounds: int = 20,
+    prompt_len: int = PROMPT_LEN,
+    agree_tokens: int = AGREE_TOKENS,
+    log=print,
 ) -> tuple[list[PeerRow], list[str]]:
     """(rows, notes): batch-1 decode of root/published on leanserve and on llama.cpp (its GGUF), steps alternating,
-    medians of `rounds` after 2 warm-up steps each; and the teacher-forced agreement of llama.cpp with the tokens
-    leanserve produced (warm-up included)."""
+    medians of `rounds` after 2 warm-up steps each; and the teacher-forced agreement of llama.cpp with leanserve's
+    greedy tokens: those of its warm-up and timed steps, continued untimed to `agree_tokens` (at least)."""
     import llama_cpp
     import torch
 
@@ -255,7 +267,7 @@ def peer_bench(
     gguf = convert(published, converter, log)
     peer_format = format_name(gguf_type_bytes(gguf))
     threads = torch.get_num_threads()
-    max_len = prompt_len + rounds + 8
+    max_len = prompt_len + max(rounds + 2, agree_tokens) + 8
     n_ctx = -(-max_len // 256) * 256
     runner = _runner(published, 1, max_len)
     llm = llama_cpp.Llama(
@@ -278,6 +290,8 @@ def peer_bench(
     for r in range(rounds):
         for name in steps if r % 2 == 0 else list(steps)[::-1]:
             times[name].append(steps[name]())
+    while len(fed) < agree_tokens:
+        leanserve_step()
     del runner
     sequence = list(range(3, 3 + prompt_len)) + fed
     agree = agreement(produced, teacher_forced(llm, sequence, prompt_len))
@@ -285,9 +299,11 @@ def peer_bench(
     version = importlib.metadata.version("llama-cpp-python")
     notes = [
         f"peer: llama.cpp from llama-cpp-python {version}, {gguf} ({gguf.stat().st_size / 1e9:.2f} GB) converted "
-        f"by {converter}; both on {threads} threads, the same {prompt_len}-token prompt, context {n_ctx} tokens "
-        f"(leanserve's {max_len}), batch 1, steps alternating, {rounds} per engine after 2 warm-up, medians",
-        f"agreement: llama.cpp fed leanserve's {len(fed)} input tokens in one pass; its argmax equals leanserve's "
-        f"greedy token at {round(agree * len(fed))} of {len(fed)} positions (random weights: near-ties are common)",
+        f"by {converter}; both on {threads} threads, the same {prompt_len}-token prompt (context room: llama.cpp "
+        f"{n_ctx} tokens, leanserve {max_len}), batch 1, steps alternating, {rounds} per engine after 2 warm-up, "
+        "medians",
+        f"agreement: llama.cpp fed leanserve's {len(fed)} decode inputs after the prompt in one pass; its argmax "
+        f"equals leanserve's greedy token at {round(agree * len(fed))} of {len(fed)} positions (random weights: "
+        "near-ties are common)",
     ]
     return rows, notes
