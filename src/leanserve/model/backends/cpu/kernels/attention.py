@@ -154,13 +154,13 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
     #   chosen[b, i, :] (ascending, -1 after the last).
     # Each head has a sink logit (probability mass, no value). The output is rotated back by RoPE (the
     # inverse of freqs at the query's token) and written to out[q_rows[b, i]].
-    # With the indexer's choice, each query reads its own keys alone: its window and its k rows. Without it, a
-    # block's keys (its window span and every row its queries see: they differ by a row at most) are gathered
-    # once for all its queries and heads (the KV is shared). Either way the scores are small matmuls through the
-    # linear's register tiles, a query's softmax sums run over its own keys alone, and the weighted values are
-    # one chain of multiply-adds per entry in key order (_weighted_rows; keys a query does not see weigh an exact
-    # 0): a query's output is the same whichever other queries share its block, so a token gets the same output
-    # in any step (batch invariance).
+    # A block gathers its window keys once (the span its queries see) and, without the indexer's choice, every
+    # compressed row its queries see (they differ by a row at most); with it, each query gathers its own k rows.
+    # Each query is then scored against its keys (the block's, or its window's and its own rows) through the
+    # linear's register tiles, its softmax sums run over its own keys alone, and its weighted values are one
+    # chain of multiply-adds per entry in key order (_weighted_rows; keys it does not see weigh an exact 0): a
+    # query's output is the same whichever other queries share its block, so a token gets the same output in any
+    # step (batch invariance), and its working memory is its keys, not the block's queries times them.
     num_blocks, block = q_rows.shape
     heads, dim = q.shape[1], q.shape[2]
     ring_rows = ring.shape[0]
@@ -188,66 +188,51 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
         span = max(hi - lo, 0)
         lo = min(lo, hi)
         keys = span + (chosen.shape[2] if picked else most)
-        kv = np.empty((keys, dim), dtype=np.float32)  # the keys (= values) of a query (picked) or of the block
+        kv = np.empty((keys, dim), dtype=np.float32)  # the block's keys (= values); with the choice, a query's
         for k in range(span):
             r = key_index[b, lo + k]
             _copy_row_jit(kv[k], ring[r] if r < ring_rows else new_kv[r - ring_rows])
         if not picked:
             for c in range(most):
                 _copy_row_jit(kv[span + c], rows[table[slot[b], c // per_block], c % per_block])
-        seen = np.empty(keys, dtype=np.int64)  # a query's keys (their places in kv), in key order
+        own = np.empty((keys, dim), dtype=np.float32) if picked else kv  # (the choice: a query's window, its rows)
+        seen = np.empty(keys, dtype=np.int64)  # a query's keys (their places among the keys it is scored on)
+        scores = np.empty((heads, keys), dtype=np.float32)
         kept = np.empty((heads, keys), dtype=np.float32)
         ones = np.ones((1, keys), dtype=np.float32)
         total = np.empty((heads, 1), dtype=np.float32)
         tops = np.empty(heads, dtype=np.float32)
         values = np.empty((heads, dim), dtype=np.float32)
-        if picked:
-            qkv = np.empty((keys, dim), dtype=np.float32)  # the query's own keys: its window, then its rows
-            scores = np.empty((heads, keys), dtype=np.float32)
-            for i in range(block):
-                if not q_valid[b, i]:
-                    continue
-                count = 0
+        for i in range(block):
+            if not q_valid[b, i]:
+                continue
+            count = 0
+            if picked:
                 for k in range(span):
                     if key_mask[b, i, lo + k]:
-                        _copy_row_jit(qkv[count], kv[k])
+                        _copy_row_jit(own[count], kv[k])
                         seen[count] = count
                         count += 1
                 for j in range(chosen.shape[2]):
                     c = chosen[b, i, j]
                     if c < 0:
                         break
-                    _copy_row_jit(qkv[count], rows[table[slot[b], c // per_block], c % per_block])
+                    _copy_row_jit(own[count], rows[table[slot[b], c // per_block], c % per_block])
                     seen[count] = count
                     count += 1
-                t = q_rows[b, i]
-                _scores_of_jit(q[t], qkv, count, scores)
-                _probabilities_jit(scores[:, :count], seen, count, sink, scale, kept, ones, total, tops)
-                _weighted_rows_jit(scores[:, :count], qkv[:count], values, heads)
-                _rotate_out_jit(values, freqs, t, out)
-            continue
-        qh = np.zeros((block * heads, dim), dtype=np.float32)  # rows (query i, head h) at i * heads + h
-        for i in range(block):
-            if q_valid[b, i]:
-                for h in range(heads):
-                    _copy_row_jit(qh[i * heads + h], q[q_rows[b, i], h])
-        scores = np.empty((block * heads, keys), dtype=np.float32)
-        _scores_of_jit(qh, kv, keys, scores)
-        for i in range(block):
-            if not q_valid[b, i]:
-                continue
-            n = visible[b, i]
-            count = 0
-            for k in range(keys):
-                if (key_mask[b, i, lo + k]) if k < span else (k - span < n):
-                    seen[count] = k
-                    count += 1
-            own = scores[i * heads : (i + 1) * heads]
-            _probabilities_jit(own, seen, count, sink, scale, kept, ones, total, tops)
-        for i in range(block):
-            if q_valid[b, i]:
-                _weighted_rows_jit(scores[i * heads : (i + 1) * heads], kv, values, heads)
-                _rotate_out_jit(values, freqs, q_rows[b, i], out)
+                scored = count
+            else:
+                n = visible[b, i]
+                for k in range(keys):
+                    if (key_mask[b, i, lo + k]) if k < span else (k - span < n):
+                        seen[count] = k
+                        count += 1
+                scored = keys
+            t = q_rows[b, i]
+            _scores_of_jit(q[t], own, scored, scores)
+            _probabilities_jit(scores[:, :scored], seen, count, sink, scale, kept, ones, total, tops)
+            _weighted_rows_jit(scores[:, :scored], own[:scored], values, heads)
+            _rotate_out_jit(values, freqs, t, out)
 
 
 # work = query-key dot products times the keys' width, over the window's keys and the compressed rows (see
