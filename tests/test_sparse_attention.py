@@ -28,6 +28,7 @@ from leanserve.model.torch_math.attention import attend_scores, paged_range, sco
 from leanserve.model.torch_math.compressor import (
     INDEX_BUDGET,
     ROW_ALIGN,
+    _order_keys,
     index_pick,
     index_plan,
     index_scores,
@@ -93,7 +94,7 @@ def indexer_inputs(integers: bool, seed: int, n: int, heads=4, dim=16, topk=6):
 def budget_for(width: int, blocks: int, q: torch.Tensor, topk: int) -> int:
     """The budget whose passes are `blocks` blocks scoring chunks of `width` rows (see index_plan)."""
     _, block, heads, dim = q.shape
-    return blocks * ((block * (heads + 1) + dim) * width + block * topk)
+    return blocks * ((block * (heads + 2) + dim) * width + 2 * block * topk)
 
 
 # Float scores: chunks of multiples of 64 rows (whose columns the matmul computes alike, see ROW_ALIGN); exact
@@ -118,6 +119,18 @@ def test_index_select_chooses_the_rows_of_one_stable_sort(integers, topk, widths
     assert len(plans) >= 3 and any(step < 3 for step, _, _ in plans)  # (chunks of several sizes, passes)
     # a query that sees fewer than topk rows keeps them all; one that sees none, none
     assert got[0, 2].tolist() == [0, 1, 2] + [-1] * (topk - 3) and got[0, 1].tolist() == [-1] * topk
+
+
+def test_order_keys_order_as_a_stable_descending_sort():
+    # -0.0 equals 0.0 (a tie, to the lower row), -inf is below every score, subnormals keep their order.
+    special = [0.0, -0.0, 1.5, -1.5, float("-inf"), 1.5, -0.0, 0.0, -2.0, float("inf"), float("-inf"), 3e-39, -3e-39]
+    gen = torch.Generator().manual_seed(0)
+    drawn = torch.randint(-3, 4, (500,), generator=gen).float() * 0.25
+    for values in (torch.tensor(special), torch.cat([torch.tensor(special), drawn, -drawn])):
+        keys = _order_keys(values, torch.arange(values.shape[0]))
+        assert keys.unique().numel() == keys.numel()
+        order = values.sort(descending=True, stable=True).indices
+        assert torch.equal(keys.sort(descending=True).indices, order)
 
 
 def test_index_select_reads_paged_rows_through_the_block_table():
@@ -148,10 +161,10 @@ def test_index_plan_keeps_a_pass_within_its_budget():
             step, rows, width = index_plan(blocks, queries, heads, dim, topk, n, budget)
             assert 1 <= step <= blocks and 1 <= rows <= min(n, width)
             assert width % ROW_ALIGN == 0 or width == rows < ROW_ALIGN
-            used = step * (queries * heads * width + queries * (topk + width) + dim * width)
+            used = step * (queries * heads * width + 2 * queries * (topk + width) + dim * width)
             # within the budget, unless a block's topk rows alone exceed it (then one block, and fewer rows)
             least = min(-(-n // ROW_ALIGN), -(-topk // ROW_ALIGN)) * ROW_ALIGN  # (chunks of at least topk rows)
-            if (queries * (heads + 1) + dim) * least + queries * topk <= budget:
+            if (queries * (heads + 2) + dim) * least + 2 * queries * topk <= budget:
                 assert used <= budget and width >= least, (blocks, queries, budget)
             else:
                 assert step == 1 and width < least

@@ -136,8 +136,8 @@ def attend_chosen(
 def attend_plan(blocks: int, queries: int, heads: int, dim: int, window: int, n: int, topk: int, budget: int) -> int:
     """Blocks per pass of `attend` for a group of `blocks` blocks of `queries` queries with `window` window keys
     each, that sees up to n compressed rows, of which the indexer chooses topk (0: it does not choose): as many as
-    keep a pass's scores [blocks, queries, heads, keys + the sink] and keys ([blocks, window + n, dim], or the chosen rows
-    [blocks, queries, topk, dim]) each within `budget` elements (at least one block)."""
+    keep a pass's scores [blocks, queries, heads, keys + the sink] and keys ([blocks, window + n, dim], or the
+    chosen rows [blocks, queries, topk, dim]) each within `budget` elements (at least one block)."""
     keys = window + (topk or n)
     per_block = max(queries * heads * (keys + 1), (window + queries * topk if topk else keys) * dim)  # (+1: the sink)
     return max(1, min(blocks, budget // max(1, per_block)))

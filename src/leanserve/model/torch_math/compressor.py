@@ -131,7 +131,7 @@ def index_select(
         for b0 in range(0, num_blocks, step):
             b = slice(b0, b0 + step)
             qb, hw, seen = q[b].flatten(1, 2), head_weights[b].unsqueeze(2), visible[b, :, None]  # [nb, Bq*H, d] ..
-            best = rows = None
+            best = rows = None  # the topk best scores so far [nb, Bq, topk] and their rows, in no order
             for c0 in range(0, n, chunk):
                 c1 = min(n, c0 + chunk)
                 # index_scores on the chunk's rows (ReLU and scale in place: the same values), at one width, a
@@ -140,10 +140,9 @@ def index_select(
                 k = F.pad(keys(b, c0, c1).float(), (0, 0, 0, c0 + width - c1))
                 s = torch.matmul(qb, k.transpose(1, 2)).relu_().mul_(scale)  # [nb, Bq*H, width]
                 s = torch.matmul(hw, s.view(*hw.shape[:2], w.heads, -1)).squeeze(2)[..., : c1 - c0]  # [nb, Bq, c]
-                r = torch.arange(c0, c1, device=q.device).expand_as(s)
-                s = s.masked_fill_((r >= seen) | s.isnan(), float("-inf"))
-                best, rows = (s, r) if best is None else (torch.cat([best, s], -1), torch.cat([rows, r], -1))
-                best, rows = _keep_best(best, rows, topk)
+                s = s.masked_fill_((torch.arange(c0, c1, device=q.device) >= seen) | s.isnan(), float("-inf"))
+                best, rows = _merge(best, rows, s, c0, topk)
+            rows = rows.sort(dim=-1).values
             out[b] = rows.masked_fill(rows >= seen, -1)
     return out
 
@@ -151,33 +150,58 @@ def index_select(
 def index_plan(blocks: int, queries: int, heads: int, dim: int, topk: int, n: int, budget: int) -> tuple[int, int, int]:
     """(blocks per pass, rows per chunk, the width a chunk is scored at) for scoring n rows of width `dim` for
     `blocks` blocks of `queries` queries of `heads` heads each. A pass's rows [blocks, width, dim], scores
-    [blocks, queries x heads, width] and candidates [blocks, queries, topk + width] hold at most `budget` elements
-    together. Chunks are multiples of ROW_ALIGN rows, scored at one width (the last, or the only one, padded with
-    zero rows), and at least topk rows: passes take fewer blocks first (down to one, then fewer rows, at least
-    one, unaligned below ROW_ALIGN)."""
-    per_row = queries * (heads + 1) + dim  # a block's elements per row of a chunk (its topk kept are apart)
+    [blocks, queries x heads, width] and candidates [blocks, queries, topk + width] (counted twice: their scores
+    and their comparisons, or order keys) hold at most `budget` elements together. Chunks are multiples of
+    ROW_ALIGN rows, scored at one width (the last, or the only one, padded with zero rows), and at least topk
+    rows: passes take fewer blocks first (down to one, then fewer rows, at least one, unaligned below ROW_ALIGN)."""
+    per_row, kept = queries * (heads + 2) + dim, 2 * queries * topk  # a block's elements: per row, for the kept
     whole = -(-n // ROW_ALIGN) * ROW_ALIGN
     least = min(whole, -(-max(topk, 1) // ROW_ALIGN) * ROW_ALIGN)  # the narrowest chunk worth a pass
-    step = max(1, min(blocks, budget // max(1, per_row * least + queries * topk)))
-    fit = max(1, (budget // step - queries * topk) // per_row)  # the widest chunk a pass holds
+    step = max(1, min(blocks, budget // (per_row * least + kept)))
+    fit = max(1, (budget // step - kept) // per_row)  # the widest chunk a pass holds
     if fit >= whole:
         return step, n, whole
-    if fit >= ROW_ALIGN:
-        return step, fit - fit % ROW_ALIGN, fit - fit % ROW_ALIGN
+    if fit >= ROW_ALIGN:  # as many chunks as the widest aligned one needs, of (about) equal widths
+        chunks = -(-n // (fit - fit % ROW_ALIGN))
+        width = -(-n // (chunks * ROW_ALIGN)) * ROW_ALIGN
+        return step, width, width
     return step, min(fit, n), min(fit, n)
 
 
-def _keep_best(scores: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best of each query's candidates (scores [.., m] without NaN, rows [.., m] ascending): the highest
-    scores, among equal ones the lower rows (a stable descending sort's first k), kept in row order. No sort:
-    every score above the k-th highest, then as many of those equal to it as are missing, lowest rows first."""
-    if scores.shape[-1] <= k:
-        return scores, rows
-    kth = scores.topk(k, dim=-1).values[..., -1:]
-    above, tied = scores > kth, scores == kth
-    keep = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k per query
-    shape = (*scores.shape[:-1], k)
-    return scores[keep].view(shape), rows[keep].view(shape)
+def _merge(best: torch.Tensor | None, rows: torch.Tensor | None, scores: torch.Tensor, start: int, k: int):
+    """The k best (score, row) of the kept best [.., k'] at `rows` (None: none yet) and a chunk's `scores` [.., c]
+    (float32, no NaN) at rows start..start+c-1: the highest scores, among equal ones the lower rows (the first k
+    of a stable descending sort by row). -> (scores [.., k], rows [.., k]), in no order."""
+    kept = 0 if best is None else best.shape[-1]
+    cand = scores if best is None else torch.cat([best, scores], -1)
+    at = torch.arange(start - kept, start + scores.shape[-1], device=scores.device)  # the chunk's rows (from kept)
+    if cand.shape[-1] <= k:
+        return cand, at.expand_as(cand) if rows is None else torch.cat([rows, at[kept:].expand_as(scores)], -1)
+    values, index = cand.topk(k, dim=-1, sorted=False)
+    chosen = (
+        at[index] if rows is None else torch.where(index < kept, rows.gather(-1, index.clamp(max=kept - 1)), at[index])
+    )
+    # topk's choice among scores equal to the k-th best is not the lowest rows': where some of those are left
+    # out, choose again exactly (order keys: score, then row) for those queries alone.
+    ties = (cand >= values.amin(dim=-1, keepdim=True)).sum(dim=-1) > k
+    if bool(ties.any()):
+        every = at.expand_as(cand) if rows is None else torch.cat([rows, at[kept:].expand_as(scores)], -1)
+        order = _order_keys(cand[ties], every[ties]).topk(k, dim=-1, sorted=False).indices
+        values[ties], chosen[ties] = cand[ties].gather(-1, order), every[ties].gather(-1, order)
+    return values, chosen
+
+
+_ROW_BITS = 2**32 - 1
+
+
+def _order_keys(scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """int64 keys [.., c] of scores [.., c] (float32, no NaN) at rows [.., c] (distinct, < 2**32) that order as a
+    stable descending sort of the scores by row does: by score, then, among equal scores, the lower row first (the
+    high 32 bits the score's bits made monotonic, -0.0 as 0.0; the low 32 bits 2**32 - 1 - row). No two are
+    equal, so one topk of them is exactly the stable sort's first k, in any order."""
+    bits = (scores + 0.0).view(torch.int32)  # (+ 0.0: -0.0 becomes 0.0, which it equals)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger bits are smaller numbers
+    return (bits.long() << 32) | (_ROW_BITS - rows)
 
 
 def index_scores(w: IndexerWeights, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
