@@ -1,5 +1,5 @@
 """What the benchmarks share: printing rows as a table or JSON, timers, a one-stage MTP runner to time parts
-of a step directly, and random prompts (prompts from held-out code are prompts.py's)."""
+of a step directly, a one-stage runner with a greedy decoder (bench formats and its peer), and random prompts (prompts from held-out code are prompts.py's)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import statistics
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -97,3 +98,42 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tens
     """[batch, length] token ids from a fixed seed, past the special tokens (ids 0-2)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=gen)
+
+
+def stage_runner(model_dir: Path, max_seqs: int, max_len: int):
+    """A one-stage runner of a checkpoint as stored (dtype auto), for `max_seqs` sequences of up to `max_len`."""
+    from leanserve.engine.config import EngineConfig
+    from leanserve.engine.llm_engine import resolve_dtype
+    from leanserve.engine.runner import StageRunner
+    from leanserve.engine.topology import PipelineTopology
+    from leanserve.model.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(model_dir)
+    config = EngineConfig(str(model_dir), max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=max_len)
+    dtype = resolve_dtype("auto", str(model_dir))
+    return StageRunner(cfg, config, PipelineTopology.build(cfg, 1).layout(0), dtype, max_len, progress=False)
+
+
+class GreedyDecoder:
+    """Greedy decode of `batch` sequences on a runner, one step per call (each sampled token fed back)."""
+
+    def __init__(self, runner, batch: int, prompt_len: int) -> None:
+        prefill(runner, batch, prompt_len)
+        self.runner, self.batch, self.position, self.steps = runner, batch, prompt_len, 0
+        self.tokens = [5] * batch
+
+    def __call__(self) -> float:
+        from leanserve.engine.runner import SampleSpec, StepPlan
+        from leanserve.model.batch import Chunk
+        from leanserve.sampling_params import SamplingParams
+
+        greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20)
+        chunks = tuple(Chunk(s, self.position, (self.tokens[s],)) for s in range(self.batch))
+        samples = tuple(SampleSpec(s, greedy, 0, self.steps, s) for s in range(self.batch))
+        start = time.perf_counter()
+        outs = self.runner.execute(StepPlan(chunks, tuple(range(self.batch)), samples), propose=False)
+        seconds = time.perf_counter() - start
+        self.tokens = [outs[s].tokens[-1].token_id for s in range(self.batch)]
+        self.position += 1
+        self.steps += 1
+        return seconds

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from leanserve.bench import peer
-from leanserve.bench.common import print_rows
+from leanserve.bench.common import GreedyDecoder, print_rows, stage_runner
 from leanserve.bench.options import add_output, add_threads, int_list
 from leanserve.bench.peer import PEERS
 from leanserve.bench.profile import PROFILE_HEADERS
@@ -249,45 +249,6 @@ def _seconds(fn) -> float:
     return time.perf_counter() - t
 
 
-def _runner(model_dir: Path, max_seqs: int, max_len: int):
-    from leanserve.engine.config import EngineConfig
-    from leanserve.engine.llm_engine import resolve_dtype
-    from leanserve.engine.runner import StageRunner
-    from leanserve.engine.topology import PipelineTopology
-
-    cfg = ModelConfig.from_hf(model_dir)
-    config = EngineConfig(str(model_dir), max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=max_len)
-    dtype = resolve_dtype("auto", str(model_dir))
-    return StageRunner(cfg, config, PipelineTopology.build(cfg, 1).layout(0), dtype, max_len, progress=False)
-
-
-class _Decoder:
-    """Greedy decode of `batch` sequences on a runner, one step per call (each sampled token fed back)."""
-
-    def __init__(self, runner, batch: int, prompt_len: int) -> None:
-        from leanserve.bench.common import prefill
-
-        prefill(runner, batch, prompt_len)
-        self.runner, self.batch, self.position, self.steps = runner, batch, prompt_len, 0
-        self.tokens = [5] * batch
-
-    def __call__(self) -> float:
-        from leanserve.engine.runner import SampleSpec, StepPlan
-        from leanserve.model.batch import Chunk
-        from leanserve.sampling_params import SamplingParams
-
-        greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20)
-        chunks = tuple(Chunk(s, self.position, (self.tokens[s],)) for s in range(self.batch))
-        samples = tuple(SampleSpec(s, greedy, 0, self.steps, s) for s in range(self.batch))
-        start = time.perf_counter()
-        outs = self.runner.execute(StepPlan(chunks, tuple(range(self.batch)), samples), propose=False)
-        seconds = time.perf_counter() - start
-        self.tokens = [outs[s].tokens[-1].token_id for s in range(self.batch)]
-        self.position += 1
-        self.steps += 1
-        return seconds
-
-
 def formats_bench(
     root: str | Path,
     batch_sizes: list[int],
@@ -318,9 +279,9 @@ def formats_bench(
     medians: dict[tuple[str, int], float] = {}
     runners = {}
     for group in [FORMATS] if together else [(f,) for f in FORMATS]:  # both loaded, or one after the other
-        runners = {f: _runner(dirs[f], max(batch_sizes), max_len) for f in group}
+        runners = {f: stage_runner(dirs[f], max(batch_sizes), max_len) for f in group}
         for batch in batch_sizes:
-            decoders = {f: _Decoder(r, batch, prompt_len) for f, r in runners.items()}
+            decoders = {f: GreedyDecoder(r, batch, prompt_len) for f, r in runners.items()}
             for d in decoders.values():  # warm-up (compiles)
                 d(), d()
             times: dict[str, list[float]] = {f: [] for f in group}
@@ -378,7 +339,7 @@ def formats_bench(
 def _profile(runner, prompt_len: int, rounds: int) -> list:
     from leanserve.bench.profile import kernel_profile, profile_rows
 
-    decoder = _Decoder(runner, 1, prompt_len)
+    decoder = GreedyDecoder(runner, 1, prompt_len)
     decoder(), decoder()  # (warm-up)
     with kernel_profile() as totals:
         seconds = sum(decoder() for _ in range(rounds))

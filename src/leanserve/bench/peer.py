@@ -33,7 +33,7 @@ INSTALL = "pip install -e '.[peer]'"
 CONVERTER_ENV = "LEANSERVE_LLAMA_CPP_CONVERTER"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "leanserve"
 CONVERTER = "convert_hf_to_gguf.py"
-PROMPT_LEN = 16  # formats_bench's prompt: tokens 3..18, then token 5 fed at position 16 (its _Decoder)
+PROMPT_LEN = 16  # formats_bench's prompt: tokens 3..18, then token 5 fed at position 16 (common.GreedyDecoder)
 AGREE_TOKENS = 64  # leanserve's greedy tokens the agreement is counted over (steps past the timed ones untimed)
 RATES = (0, 4, 128)  # the compression rates llama.cpp's DeepSeek-V4 loader accepts
 LEANSERVE_FORMAT = "FP8 + FP4 (published)"
@@ -261,7 +261,7 @@ def peer_bench(
     import llama_cpp
     import torch
 
-    from leanserve.bench.formats import _Decoder, _runner
+    from leanserve.bench.common import GreedyDecoder, stage_runner
 
     published = Path(root) / "published"
     gguf = convert(published, converter, log)
@@ -269,12 +269,12 @@ def peer_bench(
     threads = torch.get_num_threads()
     max_len = prompt_len + max(rounds + 2, agree_tokens) + 8
     n_ctx = -(-max_len // 256) * 256
-    runner = _runner(published, 1, max_len)
+    runner = stage_runner(published, 1, max_len)
     llm = llama_cpp.Llama(
         str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
         verbose=False,
     )  # fmt: skip
-    ours, theirs = _Decoder(runner, 1, prompt_len), _LlamaDecoder(llm, prompt_len)
+    ours, theirs = GreedyDecoder(runner, 1, prompt_len), _LlamaDecoder(llm, prompt_len)
     fed, produced = [], []  # leanserve's input and greedy token at each step
 
     def leanserve_step() -> float:
