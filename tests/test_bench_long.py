@@ -51,9 +51,11 @@ def test_the_fit_is_least_squares_and_extrapolates_to_a_million_tokens():
     assert p.prefill_ms_per_token == pytest.approx(per_token, rel=1e-3)
     assert p.prefill_s == pytest.approx(per_token * (1 << 20) / 1e3, rel=1e-3)
     assert p.decode_tok_s == pytest.approx(1 / (0.2 + 1e-6 * (1 << 20)), rel=1e-3)
-    # a fit that falls to zero has no estimate, rather than a negative one
-    falling = rows_of([_measured(1024, 10.0, 2.0, 64, 0.2), _measured(4096, 5.0, 2.0, 64, 0.1)])
-    assert on_paper(falling).prefill_ms_per_token is None and on_paper(falling).decode_tok_s is None
+    assert p.flat == ()
+    # a fit that falls with length (noise: the model's cost does not) is taken as flat, not run down to zero
+    falling = on_paper(rows_of([_measured(1024, 10.0, 2.0, 64, 0.2), _measured(4096, 5.0, 2.0, 64, 0.1)]))
+    assert falling.flat == ("prefill", "decode")
+    assert falling.prefill_ms_per_token == 7.5 and falling.decode_tok_s == pytest.approx(1 / 0.15)
 
 
 def _row(**ratios) -> LongRow:

@@ -22,8 +22,8 @@ length, and its memory only by the caches. Each length runs in a fresh process (
     RoPE, mHC, embedding, the head's sampling, the engine's own work);
   - the peak resident memory of the prefill (the high-water mark reset just before it, /proc/self/clear_refs);
   - then `--decode-steps` greedy decode steps at that depth, timed one by one (the median reported).
-The time per token and the decode step time are fitted as a + b * length (least squares) and extrapolated to
-1,048,576 tokens; last, the issue's three targets against the measured ratios (the longest length vs the first).
+The time per token and the decode step time are fitted as a + b * length (least squares; a slope that comes out
+negative, the timings' noise, is taken as flat) and extrapolated to 1,048,576 tokens; last, the issue's three targets against the measured ratios (the longest length vs the first).
 """
 
 from __future__ import annotations
@@ -335,22 +335,29 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 @dataclass(frozen=True)
 class OnPaper:
     tokens: int
-    prefill_ms_per_token: float | None  # fitted a + b * tokens (None: the fit reaches 0 or below)
-    prefill_s: float | None  # tokens * that
-    decode_tok_s: float | None  # 1 / the fitted step time at that depth (None: the fit reaches 0 or below)
+    prefill_ms_per_token: float  # fitted a + b * tokens
+    prefill_s: float  # tokens * that
+    decode_tok_s: float  # 1 / the fitted step time at that depth
     prefill_fit: tuple[float, float]  # (a ms, b ms per token of length)
     decode_fit: tuple[float, float]  # (a s, b s per token of depth)
+    flat: tuple[str, ...]  # the fits whose slope came out negative, taken as flat ("prefill", "decode")
+
+
+def rising_fit(xs: list[float], ys: list[float]) -> tuple[float, float, bool]:
+    """linear_fit's (a, b), and False; (the mean y, 0, True) where its slope is negative: the model's cost does
+    not fall with depth, so a falling fit is the timings' noise, and extrapolated it would reach zero."""
+    a, b = linear_fit(xs, ys)
+    return (a, b, False) if b >= 0 else (sum(ys) / len(ys), 0.0, True)
 
 
 def on_paper(rows: list[LongRow], tokens: int = MILLION) -> OnPaper:
-    """The rows' time per token and decode step time, each fitted as a + b * length, at `tokens` tokens."""
+    """The rows' time per token and decode step time, each fitted as a + b * length (rising_fit), at `tokens`."""
     xs = [float(r.tokens) for r in rows]
-    pa, pb = linear_fit(xs, [r.ms_per_token for r in rows])
-    da, db = linear_fit(xs, [1 / r.decode_tok_s for r in rows])
+    pa, pb, pflat = rising_fit(xs, [r.ms_per_token for r in rows])
+    da, db, dflat = rising_fit(xs, [1 / r.decode_tok_s for r in rows])
     per_token, step = pa + pb * tokens, da + db * tokens
-    per_token = per_token if per_token > 0 else None
-    total = None if per_token is None else per_token * tokens / 1e3
-    return OnPaper(tokens, per_token, total, 1 / step if step > 0 else None, (pa, pb), (da, db))
+    flat = tuple(name for name, f in (("prefill", pflat), ("decode", dflat)) if f)
+    return OnPaper(tokens, per_token, per_token * tokens / 1e3, 1 / step, (pa, pb), (da, db), flat)
 
 
 @dataclass(frozen=True)
@@ -391,12 +398,11 @@ def target_lines(rows: list[LongRow]) -> list[str]:
 
 
 def paper_line(p: OnPaper) -> str:
-    none = "none (the fit falls to 0 or below)"
-    decode = none if p.decode_tok_s is None else f"{p.decode_tok_s:.2f} tok/s"
-    prefill = none if p.prefill_s is None else f"{p.prefill_ms_per_token:.2f} ms/token, {p.prefill_s / 3600:.2f} h"
+    flat = f" ({' and '.join(p.flat)} fell with length, within the noise: taken as flat)" if p.flat else ""
     return (
-        f"{p.tokens} tokens on paper (a + b * length fitted over the measured lengths): prefill {prefill}; "
-        f"decode at that depth {decode}"
+        f"{p.tokens} tokens on paper (a + b * length fitted over the measured lengths{flat}): prefill "
+        f"{p.prefill_ms_per_token:.2f} ms/token, {p.prefill_s / 3600:.2f} h; decode at that depth "
+        f"{p.decode_tok_s:.2f} tok/s"
     )
 
 
