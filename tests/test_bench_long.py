@@ -82,6 +82,7 @@ def test_the_targets_are_the_issues_bounds_on_the_longest_length():
         (["--chunk", "0"], "--decode-steps and --chunk must be positive"),
         (["--experts", "4"], "--experts must be at least the top-k (6)"),
         (["--layers", "0"], "--layers must be positive"),
+        (["--hidden", "100"], "--hidden must be a positive multiple of 64"),
     ],
 )
 def test_bad_options_fail_in_one_sentence_before_any_work(tmp_path, capsys, options, message):

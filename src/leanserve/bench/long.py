@@ -1,10 +1,13 @@
 """`leanserve bench long`: prefill time, peak memory and decode speed at long context (4K to 128K tokens), on a
 model with DeepSeek-V4-Flash's attention shapes, and what they come to at 1M tokens on paper.
 
-The model is bench/formats.py's `bench_config`: Flash's shipped config (hidden 4096, 64 heads of 512, an indexer of
-64 heads of 128 choosing the top 512 compressed rows, a window of 128, experts of 2048, top-6) with few layers and
-experts, by default 2 layers (CSA at rate 4, then HCA at rate 128) and 8 routed experts, so that it fits while a
-token's MoE work is still Flash's (6 routed experts and the shared one). Its random weights are written once as
+The model is bench/formats.py's `bench_config`: Flash's shipped config (64 heads of 512, q rank 1024, 8 output
+groups of rank 1024, an indexer of 64 heads of 128 choosing the top 512 compressed rows, a window of 128, experts of
+2048, top-6) with few layers and experts, by default 2 layers (CSA at rate 4, then HCA at rate 128) and 8 routed
+experts, and a hidden size of 1024 (`--hidden`; Flash's is 4096): the attention's shapes and its cost per query
+are Flash's, while the rest of a token's work (its linears from and to the hidden size, the MoE) is about a third,
+so that 128K tokens prefill in about 20 minutes on 2 cores instead of an hour. Less work that does not grow with
+depth makes the per-token growth the benchmark reports larger, not smaller. Its random weights are written once as
 bf16 to `--dir` (reused while they hold the same model); the engine runs them as stored on the CPU backend (the
 numba kernels: bf16 weights widened as read, float32 activations and caches). `--model DIR` runs another
 checkpoint instead (a small one for a quick check).
@@ -44,6 +47,7 @@ from leanserve.bench.common import print_rows
 from leanserve.bench.options import add_output, add_threads
 
 MILLION = 1 << 20  # the "1M" context on paper
+HIDDEN = 1024  # the default hidden size (see the notes above)
 PARTS = ("indexer", "attention", "compressor", "moe", "linears")
 # What each part times: (part, where, attribute); "kernels": the CPU kernels' module as arrays.py calls it (ck),
 # "backend": the CpuBackend class.
@@ -457,6 +461,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default="build/bench-long", help="where the random checkpoint is written (or reused)")
     p.add_argument("--layers", type=int, default=2, help="layers (CSA and HCA alternating)")
     p.add_argument("--experts", type=int, default=8, help="routed experts per layer (top-6)")
+    p.add_argument(
+        "--hidden", type=int, default=HIDDEN,
+        help=f"hidden size (default {HIDDEN}; Flash's is 4096; the attention's shapes stay Flash's whatever it is)",
+    )  # fmt: skip
     p.add_argument("--model", default=None, help="run this checkpoint instead of the Flash-shaped one")
     p.add_argument(
         "--same-process", action="store_true", help="every length in this process (peaks then include earlier ones)"
@@ -480,6 +488,9 @@ def run(args: argparse.Namespace) -> int:
         if args.experts < top_k:
             raise ValueError(f"--experts must be at least the top-k ({top_k}).")
         cfg = bench_config(args.layers, args.experts)
+        if args.hidden < 64 or args.hidden % 64:
+            raise ValueError("--hidden must be a positive multiple of 64.")
+        cfg = dataclasses.replace(cfg, hidden_size=args.hidden)
     else:
         if not (Path(args.model) / "config.json").is_file():
             raise ValueError(f"--model {args.model}: no config.json there.")
@@ -490,9 +501,11 @@ def run(args: argparse.Namespace) -> int:
         model = str(make_checkpoint(Path(args.dir), cfg, args.seed, log))
         model_line = (
             f"model: DeepSeek-V4-Flash's attention shapes ({cfg.num_attention_heads} heads of {cfg.head_dim}, "
+            f"q rank {cfg.q_lora_rank}, {cfg.o_groups} output groups of rank {cfg.o_lora_rank}, "
             f"indexer {cfg.index_n_heads} x {cfg.index_head_dim}, top-{cfg.index_topk}, window {cfg.sliding_window}), "
             f"{args.layers} layers ({', '.join(cfg.layer_types)}), {args.experts} routed experts of "
-            f"{cfg.moe_intermediate_size} (top-{cfg.num_experts_per_tok}) + 1 shared; bf16 weights, float32 "
+            f"{cfg.moe_intermediate_size} (top-{cfg.num_experts_per_tok}) + 1 shared, hidden {cfg.hidden_size}; bf16 "
+            "weights, float32 "
             f"activations; random, in {model}"
         )
     else:
