@@ -53,11 +53,14 @@ def test_a_16k_prompt_in_one_chunk_in_many_and_on_the_torch_statement(long_model
     # invariant, so each token's arithmetic is the same in any chunk.
     chunked = _run(long_model, prompt, 1000)
     _assert_same(whole, chunked, 1e-6)
-    # The torch statement (another arithmetic order throughout): the same tokens, logprobs to float32 rounding
-    # over 16K positions (a near-tie in the indexer's choice may differ).
+    # The torch statement (another arithmetic order throughout): the same tokens, and logprobs that agree up to
+    # what a near-tie in the indexer's choice moves. Its scores round differently from the kernels' (and from one
+    # host's matmuls to another's), so among 16K queries' top-16 of up to 4096 rows a few may swap a row at the
+    # cut, and each swap moves the logprobs after it by up to a few 0.01 on this tiny random model (measured: 0.04
+    # on a 4K prompt; with every row kept instead, the two agree to 2e-7).
     with cpu_kernels.disabled():
         reference = _run(long_model, prompt, 2048)
-    _assert_same(whole, reference, 1e-3)
+    _assert_same(whole, reference, 0.1)
 
 
 def test_transformers_agrees_on_a_shorter_prompt_of_the_same_model(long_model):
