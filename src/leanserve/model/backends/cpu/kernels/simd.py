@@ -24,6 +24,18 @@ def _lanes_sum(builder, v):
     return builder.extract_element(v, ir.Constant(i32, 0))
 
 
+def _store_sums(context, builder, o_t, oa, j, accs):
+    """The row dots' last step: out[t, j + r] = the lanes sum (_lanes_sum) of the <16 x float> accumulator
+    accs[(r, t)] (a pointer), for every (weight row r, row of x t)."""
+    from numba.core import cgutils
+
+    intp = context.get_value_type(numba.types.intp)
+    for r, t in accs:
+        col = builder.add(j, ir.Constant(intp, r))
+        op = cgutils.get_item_pointer(context, builder, o_t, oa, [ir.Constant(intp, t), col], wraparound=False)
+        builder.store(_lanes_sum(builder, builder.load(accs[(r, t)])), op)
+
+
 _FP8_DOTS: dict = {}
 
 
@@ -103,10 +115,7 @@ def _make_fp8_dots(rows: int, xrows: int):
                         block = builder.fmul(block, broadcast(builder.bitcast(sbits, f32)))
                         total = totals[(r, t)]
                         builder.store(builder.fadd(builder.load(total), block, flags=fast), total)
-            for r, t in pairs:
-                col = builder.add(j_, ir.Constant(intp, r))
-                op = cgutils.get_item_pointer(context, builder, o_t, oa, [ir.Constant(intp, t), col], wraparound=False)
-                builder.store(_lanes_sum(builder, builder.load(totals[(r, t)])), op)
+            _store_sums(context, builder, o_t, oa, j_, totals)
             return context.get_dummy_value()
 
         return numba.types.void(q, s, row0, x, full, out, j), codegen
@@ -236,10 +245,7 @@ def _make_fp4_dots(rows: int, xrows: int):
                     values = decode(r, g)
                     for t in range(xrows):
                         builder.store(group(values, xs[t], sv, builder.load(acc_ptrs[(r, t)])), acc_ptrs[(r, t)])
-            for r, t in pairs:
-                col = builder.add(j_, ir.Constant(intp, r))
-                op = cgutils.get_item_pointer(context, builder, o_t, oa, [ir.Constant(intp, t), col], wraparound=False)
-                builder.store(_lanes_sum(builder, builder.load(acc_ptrs[(r, t)])), op)
+            _store_sums(context, builder, o_t, oa, j_, acc_ptrs)
             return context.get_dummy_value()
 
         return numba.types.void(packed, s, row0, xe, xo, out, j), codegen
