@@ -260,6 +260,30 @@ def test_kernels_dequantize_as_quant_py():
         assert torch.equal(torch.from_numpy(cpu_kernels.dequantized(numpy_views(w))), w.dequantize())
 
 
+@pytest.mark.parametrize("in_features", [32, 96, 128, 224, 512])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_fp4_few_rows_match_the_dequantized_weight(rows, in_features):
+    # The few-row FP4 reader (decode, verification): whole 128-value chunks and a last chunk of 1-3 groups, every
+    # code, scales from 2^-127 (UE8M0 0) to 2^13: each output is x . W dequantized, up to float32 rounding of
+    # its sum.
+    from leanserve.model.backends.cpu.kernels.quantized import _fp4_rows_jit
+    from leanserve.model.quant import Fp4Weight
+
+    gen = torch.Generator().manual_seed(rows * in_features)
+    packed = torch.randint(0, 256, (37, in_features // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(100, 141, (37, in_features // 32), dtype=torch.uint8, generator=gen)
+    scale[0] = 0
+    scale[1, -1] = 0
+    w = Fp4Weight(packed, scale).dequantize().double()
+    x = torch.randn(rows, in_features, generator=gen)
+    out = np.empty((rows, 37), dtype=np.float32)
+    _fp4_rows_jit(x.numpy(), packed.numpy(), scale.numpy(), out, rows)
+    ref = x.double() @ w.T
+    bound = 1e-6 * (x.double().abs() @ w.abs().T) + 1e-44
+    assert ((torch.from_numpy(out).double() - ref).abs() <= bound).all()
+    assert (torch.from_numpy(out[:, 0]) != 0).all()  # (row 0's values are 2^-127 times the codes)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 17, 64, 70])
 @pytest.mark.parametrize(("out_features", "in_features"), [(256, 384), (300, 200), (41, 64), (64, 1152)])
 def test_fp8_linear_matches_torch(rows, out_features, in_features):

@@ -17,7 +17,7 @@ from leanserve.model.backends.cpu.kernels.linear import (
     _linear_tiles_jit,
     linear,
 )
-from leanserve.model.backends.cpu.kernels.simd import _AVX512, fp4_row_dots, fp8_row_dots
+from leanserve.model.backends.cpu.kernels.simd import _AVX512, FP4_CHUNK, fp4_permuted_x, fp4_row_dots, fp8_row_dots
 from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts, Fp8Weight
 
 # --- FP8 / FP4 weights, dequantized as they are read (see quant.py) -------------------------------------------
@@ -116,6 +116,7 @@ _FP8_4x1, _FP8_4x2, _FP8_2x3, _FP8_2x4, _FP8_1x1, _FP8_1x2, _FP8_1x3, _FP8_1x4 =
     fp8_row_dots(r, t) for r, t in ((4, 1), (4, 2), (2, 3), (2, 4), (1, 1), (1, 2), (1, 3), (1, 4))
 ]
 _FP4_1x1, _FP4_1x2, _FP4_1x3, _FP4_1x4 = [fp4_row_dots(1, t) for t in (1, 2, 3, 4)]  # (None without AVX-512)
+_fp4_permuted_x_jit = _jit(fp4_permuted_x)
 
 
 def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
@@ -190,24 +191,27 @@ def _fp4_rows(x, packed, s, out, n):  # pragma: no cover - compiled
     # i), s [J, K / 32] UE8M0 exponents
     m, half = out.shape[1], packed.shape[1]
     step = FP4_GROUP // 2
-    if n <= 4:  # a few rows: x's even and odd elements apart, then per row its groups' sums times their scales
+    if n <= 4 and _AVX512:  # a few rows: x permuted once (fp4_permuted_x), then a weight row at a time, each
+        # decoded chunk meeting every row of x
+        xp = np.empty((n, (2 * half + FP4_CHUNK - 1) // FP4_CHUNK * FP4_CHUNK), dtype=np.float32)
+        _fp4_permuted_x_jit(x, xp, n)
+        for row in range(m):
+            if n == 1:
+                _FP4_1x1(packed, s, row, xp, out, row)
+            elif n == 2:
+                _FP4_1x2(packed, s, row, xp, out, row)
+            elif n == 3:
+                _FP4_1x3(packed, s, row, xp, out, row)
+            else:
+                _FP4_1x4(packed, s, row, xp, out, row)
+        return
+    if n <= 4:  # the same without AVX-512: x's even and odd elements apart, then per row its groups' sums
         xe = np.empty((n, half), dtype=np.float32)
         xo = np.empty((n, half), dtype=np.float32)
         for t in range(n):
             for j in range(half):
                 xe[t, j] = x[t, 2 * j]
                 xo[t, j] = x[t, 2 * j + 1]
-        if _AVX512:  # (a weight row at a time, each decoded group meeting every row of x)
-            for row in range(m):
-                if n == 1:
-                    _FP4_1x1(packed, s, row, xe, xo, out, row)
-                elif n == 2:
-                    _FP4_1x2(packed, s, row, xe, xo, out, row)
-                elif n == 3:
-                    _FP4_1x3(packed, s, row, xe, xo, out, row)
-                else:
-                    _FP4_1x4(packed, s, row, xe, xo, out, row)
-            return
         for t in range(n):
             for row in range(m):
                 total = np.float32(0.0)

@@ -24,6 +24,24 @@ def _lanes_sum(builder, v):
     return builder.extract_element(v, ir.Constant(i32, 0))
 
 
+# Bytes ahead of each weight load that the row dots ask the caches for (llvm.prefetch). A call reads a few rows of
+# 1-2 KB at short row lengths (FP8 [1024 -> ...], FP4 experts): every call starts a new 4 KB page, where the
+# hardware's stream prefetchers stop and start again, so without this the loads wait on memory.
+PREFETCH_AHEAD = 4096
+
+
+def _prefetch(builder, ptr, ahead=PREFETCH_AHEAD):
+    """Ask for the cache line `ahead` bytes after ptr (a hint: no fault past an array's end)."""
+    from numba.core import cgutils
+
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
+    )
+    at = builder.gep(builder.bitcast(ptr, i8p), [ir.Constant(ir.IntType(64), ahead)])
+    builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 def _store_sums(context, builder, o_t, oa, j, accs):
     """The row dots' last step: out[t, j + r] = the lanes sum (_lanes_sum) of the <16 x float> accumulator
     accs[(r, t)] (a pointer), for every (weight row r, row of x t)."""
@@ -93,6 +111,8 @@ def _make_fp8_dots(rows: int, xrows: int):
                         xvs.append(builder.load(builder.bitcast(xp, v16f.as_pointer()), align=4))
                     for r in range(rows):
                         qp = cgutils.get_item_pointer(context, builder, q_t, qa, [row[r], k], wraparound=False)
+                        if v % 4 == 0:  # (once per 64-byte line)
+                            _prefetch(builder, qp)
                         b = builder.sext(builder.load(builder.bitcast(qp, v16b.as_pointer()), align=1), v16i)
                         bits = builder.and_(
                             builder.shl(b, ir.Constant(v16i, [20] * 16)), ir.Constant(v16i, [0x87F00000 - 2**32] * 16)
@@ -123,28 +143,44 @@ def _make_fp8_dots(rows: int, xrows: int):
     return dots
 
 
-# FP4 at one to four rows, on AVX-512: each weight row's dot products in vector registers (LLVM IR below: 16-byte
-# groups of 32 values, 16 groups and their 16 scales per iteration), the codes decoded by a 16-entry table lookup
-# in one instruction (vpermps) instead of the bit arithmetic the compiled loops need: x is split into its even and
-# odd elements once per call (byte j holds element 2j in its low nibble, 2j + 1 in its high one), so the products
-# of the low and high nibbles meet contiguous halves of x; each group's products times its scale are summed per
-# lane over the row, and the lanes at the end (a float32 summation order of its own). Elsewhere the loop in
-# _fp4_rows does the same math.
+# FP4 at one to four rows, on AVX-512: each weight row's dot products in vector registers (LLVM IR below), the
+# codes decoded by a 16-entry table lookup (vpermps, which reads only an index's low 4 bits). The row is read in
+# chunks of 64 bytes, 128 values, loaded as 16 dwords straight from memory: dword i holds values 8i .. 8i + 7,
+# one per nibble, so nibble p of every dword is one shift (p * 4 bits) and one lookup away from 16 values, with no
+# byte shuffles; x comes permuted to match once per call (fp4_permuted_x: its element 8i + p of a chunk at 16p + i).
+# Lane i of a chunk holds values of group i // 4 only (32 values, one scale): its 8 products (two chains) times
+# its group's scale are added to the lane's running sum; the lanes are summed at the end. A last chunk of 1-3
+# groups is read with masked loads (missing codes read as 0, x padded with zeros). Without AVX-512 the loop in
+# _fp4_rows does the same math in an order of its own.
 _AVX512 = False
 if numba is not None:
     import llvmlite.binding as _llvm
 
     _AVX512 = bool(_llvm.get_host_cpu_features().get("avx512f", False))
 
+FP4_CHUNK = 128  # values per chunk of the AVX-512 row dots: 64 bytes, 4 groups
+
+
+def fp4_permuted_x(x, xp, n):  # pragma: no cover - compiled (jitted in quantized.py)
+    """xp[t, 128c + 16p + i] = x[t, 128c + 8i + p] (0 past x's end) for t < n: x in fp4_row_dots' order."""
+    k_dim, width = x.shape[1], xp.shape[1]
+    for t in range(n):
+        for c0 in range(0, width, FP4_CHUNK):
+            for p in range(8):
+                for i in range(16):
+                    k = c0 + 8 * i + p
+                    xp[t, c0 + 16 * p + i] = x[t, k] if k < k_dim else 0.0
+
 
 _FP4_DOTS: dict = {}
 
 
 def fp4_row_dots(rows: int, xrows: int = 1):
-    """The intrinsic `dots(packed, s, row0, xe, xo, out, j)` on AVX-512: out[t, j + r] = sum_k W[row0 + r, k] *
-    x[t, k] for r < rows and t < xrows, W FP4 (packed [J, K / 2] C-contiguous uint8, s [J, K / 32] UE8M0), x as
-    its even and odd elements xe, xo [xrows, K / 2]; the rows share the loads of x, the rows of x each decoded
-    group; each entry's arithmetic the same for any `rows` and `xrows`."""
+    """The intrinsic `dots(packed, s, row0, xp, out, j)` on AVX-512: out[t, j + r] = sum_k W[row0 + r, k] *
+    x[t, k] for r < rows and t < xrows, W FP4 (packed [J, K / 2] uint8 with K a multiple of 32, s [J, K / 32]
+    UE8M0; last dimensions contiguous), x as fp4_permuted_x writes it (xp [xrows, >= K rounded up to 128]); the
+    rows share the loads of x, the rows of x each decoded chunk; each entry's arithmetic the same for any `rows`
+    and `xrows`."""
     if (rows, xrows) not in _FP4_DOTS and _AVX512:
         _FP4_DOTS[(rows, xrows)] = _make_fp4_dots(rows, xrows)
     return _FP4_DOTS.get((rows, xrows))
@@ -152,105 +188,145 @@ def fp4_row_dots(rows: int, xrows: int = 1):
 
 def _make_fp4_dots(rows: int, xrows: int):
     @numba.extending.intrinsic
-    def dots(typingctx, packed, s, row0, xe, xo, out, j):
+    def dots(typingctx, packed, s, row0, xp, out, j):
         from numba.core import cgutils
 
         def codegen(context, builder, signature, args):
-            pk_t, s_t, _, xe_t, xo_t, o_t, _ = signature.args
+            pk_t, s_t, _, xp_t, o_t, _ = signature.args
             pk = context.make_array(pk_t)(context, builder, args[0])
             sc = context.make_array(s_t)(context, builder, args[1])
-            xe_a = context.make_array(xe_t)(context, builder, args[3])
-            xo_a = context.make_array(xo_t)(context, builder, args[4])
-            oa = context.make_array(o_t)(context, builder, args[5])
-            row0_, j_ = args[2], args[6]
-            f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
-            v16f, v16i, v16b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
+            xa = context.make_array(xp_t)(context, builder, args[3])
+            oa = context.make_array(o_t)(context, builder, args[4])
+            row0_, j_ = args[2], args[5]
+            f32, i32, i8, i1 = ir.FloatType(), ir.IntType(32), ir.IntType(8), ir.IntType(1)
+            v16f, v16i, v4b, v4i = (ir.VectorType(t, n) for t, n in ((f32, 16), (i32, 16), (i8, 4), (i32, 4)))
             intp = context.get_value_type(numba.types.intp)
             fast = ("contract",)
+            zeros = ir.Constant(v16f, [0.0] * 16)
             lut = ir.Constant(
                 v16f, [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
             )
+            fnty = ir.FunctionType
             perm = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(v16f, [v16f, v16i]), "llvm.x86.avx512.permvar.sf.512"
+                builder.module, fnty(v16f, [v16f, v16i]), "llvm.x86.avx512.permvar.sf.512"
             )
-            groups = builder.udiv(builder.extract_value(pk.shape, 1), ir.Constant(intp, 16))
+            mload16 = cgutils.get_or_insert_function(
+                builder.module,
+                fnty(v16i, [v16i.as_pointer(), i32, ir.VectorType(i1, 16), v16i]),
+                "llvm.masked.load.v16i32.p0",
+            )
+            mload4 = cgutils.get_or_insert_function(
+                builder.module,
+                fnty(v4b, [v4b.as_pointer(), i32, ir.VectorType(i1, 4), v4b]),
+                "llvm.masked.load.v4i8.p0",
+            )
+            groups = builder.extract_value(sc.shape, 1)
+            full = builder.udiv(groups, ir.Constant(intp, 4))
+            left = builder.trunc(builder.sub(groups, builder.mul(full, ir.Constant(intp, 4))), i32)
             row = [builder.add(row0_, ir.Constant(intp, r)) for r in range(rows)]
             pairs = [(r, t) for r in range(rows) for t in range(xrows)]
-            acc_ptrs = {p: cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for p in pairs}
-            zero = ir.Constant(i32, 0)
+            totals = {q: cgutils.alloca_once_value(builder, zeros) for q in pairs}
 
-            def scales(e):  # UE8M0 exponents (i32 or <16 x i32>) -> 2^(e - 127), e = 0 -> 2^-127
-                like = e.type
-                return builder.select(
-                    builder.icmp_unsigned("==", e, ir.Constant(like, 0 if like == i32 else [0] * 16)),
-                    ir.Constant(like, 1 << 22 if like == i32 else [1 << 22] * 16),
-                    builder.shl(e, ir.Constant(like, 23 if like == i32 else [23] * 16)),
+            def chunk(c, tail):  # chunk c of every row; `tail`: the last one, of `left` groups
+                lanes16 = (
+                    builder.icmp_unsigned(
+                        "<",
+                        ir.Constant(v16i, list(range(16))),
+                        builder.mul(_splat_i32(builder, left), ir.Constant(v16i, [4] * 16)),
+                    )
+                    if tail
+                    else None
                 )
-
-            def x_at(g, t):  # the group's even and odd elements of x[t]
-                base = builder.mul(g, ir.Constant(intp, 16))
-                tt = ir.Constant(intp, t)
-                ep = cgutils.get_item_pointer(context, builder, xe_t, xe_a, [tt, base], wraparound=False)
-                op = cgutils.get_item_pointer(context, builder, xo_t, xo_a, [tt, base], wraparound=False)
-                return (
-                    builder.load(builder.bitcast(ep, v16f.as_pointer()), align=4),
-                    builder.load(builder.bitcast(op, v16f.as_pointer()), align=4),
-                )
-
-            def decode(r, g):  # row r's group g: its 32 values, low nibbles and high ones
-                base = builder.mul(g, ir.Constant(intp, 16))
-                bp = cgutils.get_item_pointer(context, builder, pk_t, pk, [row[r], base], wraparound=False)
-                b = builder.zext(builder.load(builder.bitcast(bp, v16b.as_pointer()), align=1), v16i)
-                lo = builder.call(perm, [lut, builder.and_(b, ir.Constant(v16i, [15] * 16))])
-                hi = builder.call(perm, [lut, builder.lshr(b, ir.Constant(v16i, [4] * 16))])
-                return lo, hi
-
-            def group(values, xs, sv, acc):  # acc + the group's 32 products times its scale (sv)
-                lo, hi = values
-                part = builder.fadd(
-                    builder.fmul(lo, xs[0], flags=fast), builder.fmul(hi, xs[1], flags=fast), flags=fast
-                )
-                return builder.fadd(acc, builder.fmul(part, sv, flags=fast), flags=fast)
-
-            def splat(vec, lane):
-                return builder.shuffle_vector(vec, ir.Constant(v16f, ir.Undefined), ir.Constant(v16i, [lane] * 16))
-
-            # 16 groups per iteration, each row's 16 scales decoded as one vector; then the groups left one by one.
-            blocks = builder.udiv(groups, ir.Constant(intp, 16))
-            with cgutils.for_range(builder, blocks) as loop:
-                g0 = builder.mul(loop.index, ir.Constant(intp, 16))
-                svs = []
+                xv = {}
+                for t in range(xrows):
+                    for p in range(8):
+                        k = builder.add(builder.mul(c, ir.Constant(intp, FP4_CHUNK)), ir.Constant(intp, 16 * p))
+                        ptr = cgutils.get_item_pointer(
+                            context, builder, xp_t, xa, [ir.Constant(intp, t), k], wraparound=False
+                        )
+                        xv[(t, p)] = builder.load(builder.bitcast(ptr, v16f.as_pointer()), align=4)
                 for r in range(rows):
-                    sp = cgutils.get_item_pointer(context, builder, s_t, sc, [row[r], g0], wraparound=False)
-                    e16 = builder.zext(builder.load(builder.bitcast(sp, v16b.as_pointer()), align=1), v16i)
-                    svs.append(builder.bitcast(scales(e16), v16f))
-                accs = {p: [builder.load(acc_ptrs[p]), ir.Constant(v16f, [0.0] * 16)] for p in pairs}  # two chains
-                for k in range(16):
-                    g = builder.add(g0, ir.Constant(intp, k))
-                    xs = [x_at(g, t) for t in range(xrows)]
-                    for r in range(rows):
-                        values, sv = decode(r, g), splat(svs[r], k)
+                    bp = cgutils.get_item_pointer(
+                        context, builder, pk_t, pk, [row[r], builder.mul(c, ir.Constant(intp, 64))], wraparound=False
+                    )
+                    sp = cgutils.get_item_pointer(
+                        context, builder, s_t, sc, [row[r], builder.mul(c, ir.Constant(intp, 4))], wraparound=False
+                    )
+                    if tail:
+                        codes = builder.call(
+                            mload16,
+                            [
+                                builder.bitcast(bp, v16i.as_pointer()),
+                                ir.Constant(i32, 1),
+                                lanes16,
+                                ir.Constant(v16i, [0] * 16),
+                            ],
+                        )
+                        lanes4 = builder.icmp_unsigned(
+                            "<", ir.Constant(v4i, [0, 1, 2, 3]), _splat_i32(builder, left, 4)
+                        )
+                        e4 = builder.call(
+                            mload4,
+                            [
+                                builder.bitcast(sp, v4b.as_pointer()),
+                                ir.Constant(i32, 1),
+                                lanes4,
+                                ir.Constant(v4b, [0] * 4),
+                            ],
+                        )
+                    else:
+                        _prefetch(builder, bp)
+                        codes = builder.load(builder.bitcast(bp, v16i.as_pointer()), align=1)
+                        e4 = builder.load(builder.bitcast(sp, v4b.as_pointer()), align=1)
+                    e = builder.shuffle_vector(
+                        builder.zext(e4, v4i),
+                        ir.Constant(v4i, ir.Undefined),
+                        ir.Constant(v16i, [i // 4 for i in range(16)]),
+                    )
+                    sv = builder.bitcast(  # UE8M0 exponents -> 2^(e - 127), e = 0 -> 2^-127
+                        builder.select(
+                            builder.icmp_unsigned("==", e, ir.Constant(v16i, [0] * 16)),
+                            ir.Constant(v16i, [1 << 22] * 16),
+                            builder.shl(e, ir.Constant(v16i, [23] * 16)),
+                        ),
+                        v16f,
+                    )
+                    accs = {t: [None, None] for t in range(xrows)}
+                    for p in range(8):
+                        idx = codes if p == 0 else builder.lshr(codes, ir.Constant(v16i, [4 * p] * 16))
+                        vals = builder.call(perm, [lut, idx])
                         for t in range(xrows):
-                            accs[(r, t)][k % 2] = group(values, xs[t], sv, accs[(r, t)][k % 2])
-                for p in pairs:
-                    builder.store(builder.fadd(accs[p][0], accs[p][1], flags=fast), acc_ptrs[p])
-            done = builder.mul(blocks, ir.Constant(intp, 16))
-            with cgutils.for_range(builder, builder.sub(groups, done)) as loop:
-                g = builder.add(done, loop.index)
-                xs = [x_at(g, t) for t in range(xrows)]
-                for r in range(rows):
-                    sp = cgutils.get_item_pointer(context, builder, s_t, sc, [row[r], g], wraparound=False)
-                    scale = builder.bitcast(scales(builder.zext(builder.load(sp), i32)), f32)
-                    sv = splat(builder.insert_element(ir.Constant(v16f, ir.Undefined), scale, zero), 0)
-                    values = decode(r, g)
+                            prod = builder.fmul(vals, xv[(t, p)], flags=fast)
+                            a = accs[t][p % 2]
+                            accs[t][p % 2] = prod if a is None else builder.fadd(a, prod, flags=fast)
                     for t in range(xrows):
-                        builder.store(group(values, xs[t], sv, builder.load(acc_ptrs[(r, t)])), acc_ptrs[(r, t)])
-            _store_sums(context, builder, o_t, oa, j_, acc_ptrs)
+                        part = builder.fadd(accs[t][0], accs[t][1], flags=fast)
+                        total = totals[(r, t)]
+                        builder.store(
+                            builder.fadd(builder.load(total), builder.fmul(part, sv, flags=fast), flags=fast), total
+                        )
+
+            with cgutils.for_range(builder, full) as loop:
+                chunk(loop.index, False)
+            with builder.if_then(builder.icmp_unsigned("!=", left, ir.Constant(i32, 0))):
+                chunk(full, True)
+            _store_sums(context, builder, o_t, oa, j_, totals)
             return context.get_dummy_value()
 
-        return numba.types.void(packed, s, row0, xe, xo, out, j), codegen
+        return numba.types.void(packed, s, row0, xp, out, j), codegen
 
     return dots
+
+
+def _splat_i32(builder, v, width=16):
+    """An i32 value in every lane of a <width x i32>."""
+    i32 = ir.IntType(32)
+    vt = ir.VectorType(i32, width)
+    return builder.shuffle_vector(
+        builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(i32, 0)),
+        ir.Constant(vt, ir.Undefined),
+        ir.Constant(vt, [0] * width),
+    )
 
 
 # Linear tiles: out[t + r, j + c] = x[t + r] . w[j + c] for a tile of R rows of x and C weight rows (float32, or
