@@ -150,13 +150,13 @@ def test_bad_cache_options_are_refused_before_anything_is_allocated(options, mes
         LLM(MODEL, max_model_len=1024, load_progress=False, **options)
 
 
-PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(30 + 7 * i)]} for i in range(64)]
+PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(30 + 14 * i)]} for i in range(32)]
 
 
 def _generate(model, **options):
     llm = LLM(model, max_model_len=768, max_num_seqs=64, load_progress=False, **options)
     try:
-        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, logprobs=0)
+        params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True, logprobs=0)
         outs = llm.generate(PROMPTS, params)
         sched = llm.engine.scheduler
         llm.reset_prefix_cache()
@@ -166,9 +166,9 @@ def _generate(model, **options):
         llm.shutdown()
 
 
-# 256 tokens cost the shipped 8M model's 4 layers 52 KiB of blocks; 64 requests of up to 671 tokens take 0.4 to 2.6
-# such spans each, so 2.4 MiB holds about 16 of them at once.
-SMALL = 48 * 52 * 1024
+# 256 tokens cost the shipped 8M model's 4 layers 52 KiB of blocks; 32 requests of up to 564 tokens take 0.5 to 2.2
+# such spans each, so 832 KiB holds about 12 of them at once.
+SMALL = 16 * 52 * 1024
 
 
 @pytest.mark.parametrize(
@@ -200,7 +200,7 @@ def _mixed_params(i: int) -> SamplingParams:
         dict(temperature=0.0, prompt_logprobs=1, ignore_eos=True),
         dict(temperature=0.0, structured=StructuredOutput("regex", pattern="[a-z]+( [a-z]+){0,80}")),
     ]
-    return SamplingParams(max_tokens=150, **kinds[i % len(kinds)])
+    return SamplingParams(max_tokens=100, **kinds[i % len(kinds)])
 
 
 def _generate_mixed(**options):

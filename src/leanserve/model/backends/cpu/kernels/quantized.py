@@ -346,10 +346,16 @@ def stored(w) -> tuple[np.ndarray, np.ndarray]:
     return w, EMPTY
 
 
+CALL_WEIGHTS = 8  # weights per linear call, the tuples padded to it: one compiled build per format, not per count
+_NO_OUT = np.empty((0, 0), dtype=np.float32)  # (a padding weight's output: it has no rows, so nothing is written)
+
+
 class Matmuls:
     """x [T, in] @ w^T for each of `weights` ([out, in] float32, bfloat16 bits, or an Fp8Weight of numpy views),
-    one kernel call per format, the calls worked out once (a decode plan keeps one per linear it runs):
-    `matmuls(x)` -> new float32 arrays [T, out], one per weight."""
+    one kernel call per format (per CALL_WEIGHTS weights), the calls worked out once (a decode plan keeps one per
+    linear it runs): `matmuls(x)` -> new float32 arrays [T, out], one per weight. Each call's tuples of weights
+    are padded to CALL_WEIGHTS with weights of no rows, so that numba compiles a kernel once per format instead
+    of once per number of weights (compiling is most of a fresh checkout's first minutes)."""
 
     def __init__(self, weights: tuple) -> None:
         self.widths = tuple([w.shape[0] for w in weights])
@@ -357,19 +363,26 @@ class Matmuls:
         for i, w in enumerate(weights):
             groups.setdefault("fp8" if isinstance(w, Fp8Weight) else w.dtype, []).append(i)
         self.calls = []  # (kernel, multiply-adds per row, its weight arguments, the outputs it writes)
-        for kind, idx in groups.items():
-            ws = [weights[i] for i in idx]
-            work = sum([w.shape[0] * w.shape[1] for w in ws])
-            if kind == "fp8":
-                self.calls.append((linear_fp8, work, (tuple([w.q for w in ws]), tuple([w.scale for w in ws])), idx))
-            else:
-                self.calls.append((linear, work, (tuple(ws),), idx))
+        for kind, every in groups.items():
+            for start in range(0, len(every), CALL_WEIGHTS):
+                idx = every[start : start + CALL_WEIGHTS]
+                ws = [weights[i] for i in idx]
+                work = sum([w.shape[0] * w.shape[1] for w in ws])
+                pad = CALL_WEIGHTS - len(ws)
+                if kind == "fp8":
+                    k = ws[0].q.shape[1]
+                    qs = [w.q for w in ws] + [np.empty((0, k), dtype=np.uint8)] * pad
+                    scales = [w.scale for w in ws] + [np.empty((0, ws[0].scale.shape[1]), dtype=np.uint8)] * pad
+                    self.calls.append((linear_fp8, work, (tuple(qs), tuple(scales)), idx))
+                else:
+                    plain = list(ws) + [np.empty((0, ws[0].shape[1]), dtype=kind)] * pad
+                    self.calls.append((linear, work, (tuple(plain),), idx))
 
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, ...]:
         n = x.shape[0]
         outs = tuple([np.empty((n, w), dtype=np.float32) for w in self.widths])
         for kernel, work, args, idx in self.calls:
-            kernel(n * work, x, *args, tuple([outs[i] for i in idx]) if len(idx) < len(outs) else outs)
+            kernel(n * work, x, *args, tuple([outs[i] for i in idx] + [_NO_OUT] * (CALL_WEIGHTS - len(idx))))
         return outs
 
 
