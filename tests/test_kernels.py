@@ -284,6 +284,33 @@ def test_fp4_few_rows_match_the_dequantized_weight(rows, in_features):
     assert (torch.from_numpy(out[:, 0]) != 0).all()  # (row 0's values are 2^-127 times the codes)
 
 
+@pytest.mark.parametrize("big_scale", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale):
+    # The few-row FP8 reader from a row that is not a multiple of 4 (its weight rows cross a 128-row scale block),
+    # over whole blocks and a partial last one, every e4m3 byte, scales from 2^-127 (UE8M0 0) up, and with
+    # big_scale one above 2^7 (the vector loops' rebased scale would not be a float32: the general loop runs):
+    # each output is x . W dequantized, up to float32 rounding of its sum.
+    from leanserve.model.backends.cpu.kernels.quantized import _fp8_rows_jit
+    from leanserve.model.quant import Fp8Weight
+
+    gen = torch.Generator().manual_seed(rows + 10 * big_scale)
+    q = torch.randint(0, 256, (300, 330), dtype=torch.uint8, generator=gen)
+    q[(q & 0x7F) == 0x7F] = 0  # (no NaNs)
+    scale = torch.randint(100, 128, (3, 3), dtype=torch.uint8, generator=gen)
+    scale[0, 1] = 0
+    if big_scale:
+        scale[1, 2] = 140
+    w = Fp8Weight(q.view(torch.float8_e4m3fn), scale).dequantize().double()
+    x = torch.randn(rows, 330, generator=gen)
+    r0, m = 3, 250
+    out = np.empty((rows, m), dtype=np.float32)
+    _fp8_rows_jit(x.numpy(), q.numpy(), scale.numpy(), r0, out, rows)
+    ref = x.double() @ w[r0 : r0 + m].T
+    bound = 1e-6 * (x.double().abs() @ w[r0 : r0 + m].abs().T) + 1e-40
+    assert ((torch.from_numpy(out).double() - ref).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("rows", [1, 5, 17, 64, 70])
 @pytest.mark.parametrize(("out_features", "in_features"), [(256, 384), (300, 200), (41, 64), (64, 1152)])
 def test_fp8_linear_matches_torch(rows, out_features, in_features):

@@ -23,8 +23,9 @@ from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts, F
 # --- FP8 / FP4 weights, dequantized as they are read (see quant.py) -------------------------------------------
 # A block of ROW_BLOCK weight rows is decoded into a float32 buffer (values times their block's scale, the same
 # float32 products as quant.py's dequantization) and goes through the float32 loops: the same sums as on the
-# dequantized weight. For one row of x (decode at batch 1) the decoded values meet x in registers instead, each
-# scale block's sum then times its scale (exact: a power of two), a different float32 summation order. The
+# dequantized weight. For a few rows of x (decode, verification) the decoded values meet x in registers instead:
+# FP8 values meet x times their block's scale (exact: a power of two), FP4 groups' sums are times their scale;
+# a different float32 summation order. The
 # decoders are integer arithmetic (they vectorise): an e4m3 byte's bits shifted into a float32's, the rebase folded
 # into the block's scale (_e4m3_raw); FP4 codes by their exponent and mantissa bits, or a table lookup on AVX-512
 # (_fp4_row_dot_avx512).
@@ -124,36 +125,39 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
     # s [ceil(J / 128), ceil(K / 128)] UE8M0 exponents
     m, k_dim = out.shape[1], q.shape[1]
     full = k_dim // FP8_BLOCK
-    if n <= 4:  # a few rows (decode, verification): each block's sum of products in registers, then times its scale
-        vector = q.strides[1] == 1 and x.strides[1] == 4  # (fp8_row_dots' contiguous loads)
+    if n <= 4:  # a few rows (decode, verification): products in registers, x times each block's scale
+        vector = q.strides[1] == 1 and x.strides[1] == 4 and m > 0  # (fp8_row_dots' contiguous loads)
+        if vector:  # (and scales whose rebased power of two is a float32)
+            for sr in range(r0 // FP8_BLOCK, (r0 + m - 1) // FP8_BLOCK + 1):
+                for kb in range(full):
+                    vector = vector and s[sr, kb] <= RAW_SCALE_MAX
         j = 0
-        if vector:  # (weight rows at a time share the loads of x; rows of x each decoded weight vector)
-            if n == 1:
-                while j + 4 <= m:
+        if vector:  # (weight rows at a time, within one 128-row scale block, share the loads of x; rows of x
+            # each decoded weight vector)
+            while j < m:
+                room = min(m - j, FP8_BLOCK - (r0 + j) % FP8_BLOCK)  # rows left in this scale block
+                if n == 1 and room >= 4:
                     _FP8_4x1(q, s, r0 + j, x, full, out, j)
                     j += 4
-            elif n == 2:
-                while j + 4 <= m:
+                elif n == 2 and room >= 4:
                     _FP8_4x2(q, s, r0 + j, x, full, out, j)
                     j += 4
-            elif n == 3:
-                while j + 2 <= m:
+                elif n == 3 and room >= 2:
                     _FP8_2x3(q, s, r0 + j, x, full, out, j)
                     j += 2
-            else:
-                while j + 2 <= m:
+                elif n == 4 and room >= 2:
                     _FP8_2x4(q, s, r0 + j, x, full, out, j)
                     j += 2
-            while j < m:
-                if n == 1:
-                    _FP8_1x1(q, s, r0 + j, x, full, out, j)
-                elif n == 2:
-                    _FP8_1x2(q, s, r0 + j, x, full, out, j)
-                elif n == 3:
-                    _FP8_1x3(q, s, r0 + j, x, full, out, j)
                 else:
-                    _FP8_1x4(q, s, r0 + j, x, full, out, j)
-                j += 1
+                    if n == 1:
+                        _FP8_1x1(q, s, r0 + j, x, full, out, j)
+                    elif n == 2:
+                        _FP8_1x2(q, s, r0 + j, x, full, out, j)
+                    elif n == 3:
+                        _FP8_1x3(q, s, r0 + j, x, full, out, j)
+                    else:
+                        _FP8_1x4(q, s, r0 + j, x, full, out, j)
+                    j += 1
         for t in range(n):  # the blocks the vector loops did not take, and a last partial block
             for j in range(m):
                 row = r0 + j

@@ -60,11 +60,12 @@ _FP8_DOTS: dict = {}
 def fp8_row_dots(rows: int, xrows: int = 1):
     """The intrinsic `dots(q, s, row0, x, full, out, j)`: out[t, j + r] = the float32 sum over the first `full`
     128-blocks of row row0 + r of the FP8 weight (q bytes, s UE8M0 grid) times x[t], for r < rows and t < xrows;
-    q's and x's last dimensions contiguous. In vector registers: per block and row, 8 vectors of 16 bytes decoded as _e4m3_raw
-    (a sign-extended byte shifted and masked) and multiplied into one block sum, which is then times 2^120 and
-    times the block's scale (two exact power-of-two products), added per lane; the lanes summed at the end. The
-    rows share each block's loads of x, the rows of x each decoded weight vector; each entry's arithmetic is the
-    same for any `rows` and `xrows`."""
+    q's and x's last dimensions contiguous, the rows in one 128-row scale block, its scales at most RAW_SCALE_MAX.
+    In vector registers: per block, x's 8 vectors of 16 times the block's scale times 2^120 (one exact power of
+    two, shared by the rows), each row's 8 vectors of 16 bytes decoded as _e4m3_raw (a sign-extended byte shifted
+    and masked) and multiplied into two running sums per lane over the whole row (no per-block step); the lanes
+    summed at the end. The rows share each block's loads of x, the rows of x each decoded weight vector; each
+    entry's arithmetic is the same for any `rows` and `xrows`."""
     if (rows, xrows) not in _FP8_DOTS and numba is not None:
         _FP8_DOTS[(rows, xrows)] = _make_fp8_dots(rows, xrows)
     return _FP8_DOTS.get((rows, xrows))
@@ -89,9 +90,14 @@ def _make_fp8_dots(rows: int, xrows: int):
             zero = ir.Constant(i32, 0)
             undef = ir.Constant(v16f, ir.Undefined)
             row = [builder.add(row0_, ir.Constant(intp, r)) for r in range(rows)]
-            srow = [builder.udiv(rw, ir.Constant(intp, FP8_BLOCK)) for rw in row]
+            srow = builder.udiv(row0_, ir.Constant(intp, FP8_BLOCK))  # (every row's: the caller keeps them in one)
             pairs = [(r, t) for r in range(rows) for t in range(xrows)]
             totals = {p: cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for p in pairs}
+            chains = {
+                (p, c): cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+                for p in pairs
+                for c in range(2)
+            }
 
             def broadcast(v):
                 return builder.shuffle_vector(
@@ -100,15 +106,20 @@ def _make_fp8_dots(rows: int, xrows: int):
 
             with cgutils.for_range(builder, full_) as loop:
                 base = builder.mul(loop.index, ir.Constant(intp, FP8_BLOCK))
-                accs = {p: [ir.Constant(v16f, [0.0] * 16), ir.Constant(v16f, [0.0] * 16)] for p in pairs}
+                sp = cgutils.get_item_pointer(context, builder, s_t, sa, [srow, loop.index], wraparound=False)
+                e = builder.zext(builder.load(sp), i32)  # UE8M0 e <= RAW_SCALE_MAX: 2^(e - 127) * 2^120, exactly
+                scale = broadcast(
+                    builder.bitcast(builder.shl(builder.add(e, ir.Constant(i32, 120)), ir.Constant(i32, 23)), f32)
+                )
+                accs = {p: [builder.load(chains[(p, 0)]), builder.load(chains[(p, 1)])] for p in pairs}
                 for v in range(FP8_BLOCK // 16):
                     k = builder.add(base, ir.Constant(intp, 16 * v))
                     xvs = []
-                    for t in range(xrows):
+                    for t in range(xrows):  # x times the block's scale (a power of two), shared by the rows
                         xp = cgutils.get_item_pointer(
                             context, builder, x_t, xa, [ir.Constant(intp, t), k], wraparound=False
                         )
-                        xvs.append(builder.load(builder.bitcast(xp, v16f.as_pointer()), align=4))
+                        xvs.append(builder.fmul(builder.load(builder.bitcast(xp, v16f.as_pointer()), align=4), scale))
                     for r in range(rows):
                         qp = cgutils.get_item_pointer(context, builder, q_t, qa, [row[r], k], wraparound=False)
                         if v % 4 == 0:  # (once per 64-byte line)
@@ -121,20 +132,13 @@ def _make_fp8_dots(rows: int, xrows: int):
                         for t in range(xrows):
                             prod = builder.fmul(wv, xvs[t], flags=fast)
                             accs[(r, t)][v % 2] = builder.fadd(accs[(r, t)][v % 2], prod, flags=fast)
-                for r in range(rows):
-                    sp = cgutils.get_item_pointer(context, builder, s_t, sa, [srow[r], loop.index], wraparound=False)
-                    e = builder.zext(builder.load(sp), i32)  # UE8M0: 2^(e - 127), e = 0 -> 2^-127
-                    sbits = builder.select(
-                        builder.icmp_unsigned("==", e, zero),
-                        ir.Constant(i32, 1 << 22),
-                        builder.shl(e, ir.Constant(i32, 23)),
-                    )
-                    for t in range(xrows):
-                        block = builder.fadd(accs[(r, t)][0], accs[(r, t)][1], flags=fast)
-                        block = builder.fmul(block, broadcast(ir.Constant(f32, 2.0**120)))
-                        block = builder.fmul(block, broadcast(builder.bitcast(sbits, f32)))
-                        total = totals[(r, t)]
-                        builder.store(builder.fadd(builder.load(total), block, flags=fast), total)
+                for p in pairs:
+                    for c in range(2):
+                        builder.store(accs[p][c], chains[(p, c)])
+            for p in pairs:
+                builder.store(
+                    builder.fadd(builder.load(chains[(p, 0)]), builder.load(chains[(p, 1)]), flags=fast), totals[p]
+                )
             _store_sums(context, builder, o_t, oa, j_, totals)
             return context.get_dummy_value()
 
