@@ -231,6 +231,10 @@ def _make_fp4_dots(rows: int, xrows: int):
             pairs = [(r, t) for r in range(rows) for t in range(xrows)]
             totals = {q: cgutils.alloca_once_value(builder, zeros) for q in pairs}
 
+            def masked(load, ptr, vt, lanes):  # the lanes of a vector at ptr where `lanes` holds, 0 elsewhere
+                zeros_of = ir.Constant(vt, [0] * vt.count)
+                return builder.call(load, [builder.bitcast(ptr, vt.as_pointer()), ir.Constant(i32, 1), lanes, zeros_of])
+
             def chunk(c, tail):  # chunk c of every row; `tail`: the last one, of `left` groups
                 lanes16 = (
                     builder.icmp_unsigned(
@@ -257,27 +261,11 @@ def _make_fp4_dots(rows: int, xrows: int):
                         context, builder, s_t, sc, [row[r], builder.mul(c, ir.Constant(intp, 4))], wraparound=False
                     )
                     if tail:
-                        codes = builder.call(
-                            mload16,
-                            [
-                                builder.bitcast(bp, v16i.as_pointer()),
-                                ir.Constant(i32, 1),
-                                lanes16,
-                                ir.Constant(v16i, [0] * 16),
-                            ],
-                        )
+                        codes = masked(mload16, bp, v16i, lanes16)
                         lanes4 = builder.icmp_unsigned(
                             "<", ir.Constant(v4i, [0, 1, 2, 3]), _splat_i32(builder, left, 4)
                         )
-                        e4 = builder.call(
-                            mload4,
-                            [
-                                builder.bitcast(sp, v4b.as_pointer()),
-                                ir.Constant(i32, 1),
-                                lanes4,
-                                ir.Constant(v4b, [0] * 4),
-                            ],
-                        )
+                        e4 = masked(mload4, sp, v4b, lanes4)
                     else:
                         _prefetch(builder, bp)
                         codes = builder.load(builder.bitcast(bp, v16i.as_pointer()), align=1)
