@@ -25,10 +25,9 @@ from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts, F
 # float32 products as quant.py's dequantization) and goes through the float32 loops: the same sums as on the
 # dequantized weight. For a few rows of x (decode, verification) the decoded values meet x in registers instead:
 # FP8 values meet x times their block's scale (exact: a power of two), FP4 groups' sums are times their scale;
-# a different float32 summation order. The
-# decoders are integer arithmetic (they vectorise): an e4m3 byte's bits shifted into a float32's, the rebase folded
-# into the block's scale (_e4m3_raw); FP4 codes by their exponent and mantissa bits, or a table lookup on AVX-512
-# (_fp4_row_dot_avx512).
+# a different float32 summation order. The decoders are integer arithmetic (they vectorise): an e4m3 byte's bits
+# shifted into a float32's, the rebase folded into the block's scale (_e4m3_raw); FP4 codes by their exponent and
+# mantissa bits, or a table lookup on AVX-512 (simd.fp4_row_dots).
 # The e4m3fn NaN bytes (0x7F, 0xFF) are not decoded as NaN (the quantizers never write them).
 
 
@@ -134,30 +133,28 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
         j = 0
         if vector:  # (weight rows at a time, within one 128-row scale block, share the loads of x; rows of x
             # each decoded weight vector)
+            wide = 4 if n <= 2 else 2  # (weight rows per call at n rows of x)
             while j < m:
-                room = min(m - j, FP8_BLOCK - (r0 + j) % FP8_BLOCK)  # rows left in this scale block
-                if n == 1 and room >= 4:
-                    _FP8_4x1(q, s, r0 + j, x, full, out, j)
-                    j += 4
-                elif n == 2 and room >= 4:
-                    _FP8_4x2(q, s, r0 + j, x, full, out, j)
-                    j += 4
-                elif n == 3 and room >= 2:
-                    _FP8_2x3(q, s, r0 + j, x, full, out, j)
-                    j += 2
-                elif n == 4 and room >= 2:
-                    _FP8_2x4(q, s, r0 + j, x, full, out, j)
-                    j += 2
-                else:
+                if min(m - j, FP8_BLOCK - (r0 + j) % FP8_BLOCK) >= wide:  # (rows left in this scale block)
                     if n == 1:
-                        _FP8_1x1(q, s, r0 + j, x, full, out, j)
+                        _FP8_4x1(q, s, r0 + j, x, full, out, j)
                     elif n == 2:
-                        _FP8_1x2(q, s, r0 + j, x, full, out, j)
+                        _FP8_4x2(q, s, r0 + j, x, full, out, j)
                     elif n == 3:
-                        _FP8_1x3(q, s, r0 + j, x, full, out, j)
+                        _FP8_2x3(q, s, r0 + j, x, full, out, j)
                     else:
-                        _FP8_1x4(q, s, r0 + j, x, full, out, j)
-                    j += 1
+                        _FP8_2x4(q, s, r0 + j, x, full, out, j)
+                    j += wide
+                    continue
+                if n == 1:
+                    _FP8_1x1(q, s, r0 + j, x, full, out, j)
+                elif n == 2:
+                    _FP8_1x2(q, s, r0 + j, x, full, out, j)
+                elif n == 3:
+                    _FP8_1x3(q, s, r0 + j, x, full, out, j)
+                else:
+                    _FP8_1x4(q, s, r0 + j, x, full, out, j)
+                j += 1
         for t in range(n):  # the blocks the vector loops did not take, and a last partial block
             for j in range(m):
                 row = r0 + j

@@ -87,29 +87,22 @@ def _make_fp8_dots(rows: int, xrows: int):
             v16f, v16i, v16b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
             intp = context.get_value_type(numba.types.intp)
             fast = ("contract",)
-            zero = ir.Constant(i32, 0)
-            undef = ir.Constant(v16f, ir.Undefined)
             row = [builder.add(row0_, ir.Constant(intp, r)) for r in range(rows)]
             srow = builder.udiv(row0_, ir.Constant(intp, FP8_BLOCK))  # (every row's: the caller keeps them in one)
             pairs = [(r, t) for r in range(rows) for t in range(xrows)]
-            totals = {p: cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for p in pairs}
             chains = {
                 (p, c): cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
                 for p in pairs
                 for c in range(2)
             }
 
-            def broadcast(v):
-                return builder.shuffle_vector(
-                    builder.insert_element(undef, v, zero), undef, ir.Constant(v16i, [0] * 16)
-                )
-
             with cgutils.for_range(builder, full_) as loop:
                 base = builder.mul(loop.index, ir.Constant(intp, FP8_BLOCK))
                 sp = cgutils.get_item_pointer(context, builder, s_t, sa, [srow, loop.index], wraparound=False)
                 e = builder.zext(builder.load(sp), i32)  # UE8M0 e <= RAW_SCALE_MAX: 2^(e - 127) * 2^120, exactly
-                scale = broadcast(
-                    builder.bitcast(builder.shl(builder.add(e, ir.Constant(i32, 120)), ir.Constant(i32, 23)), f32)
+                scale = _splat(
+                    builder,
+                    builder.bitcast(builder.shl(builder.add(e, ir.Constant(i32, 120)), ir.Constant(i32, 23)), f32),
                 )
                 accs = {p: [builder.load(chains[(p, 0)]), builder.load(chains[(p, 1)])] for p in pairs}
                 for v in range(FP8_BLOCK // 16):
@@ -135,6 +128,7 @@ def _make_fp8_dots(rows: int, xrows: int):
                 for p in pairs:
                     for c in range(2):
                         builder.store(accs[p][c], chains[(p, c)])
+            totals = {p: chains[(p, 0)] for p in pairs}  # (the two chains' sum, into the first)
             for p in pairs:
                 builder.store(
                     builder.fadd(builder.load(chains[(p, 0)]), builder.load(chains[(p, 1)]), flags=fast), totals[p]
@@ -235,16 +229,13 @@ def _make_fp4_dots(rows: int, xrows: int):
                 zeros_of = ir.Constant(vt, [0] * vt.count)
                 return builder.call(load, [builder.bitcast(ptr, vt.as_pointer()), ir.Constant(i32, 1), lanes, zeros_of])
 
+            # the last chunk's lanes: 4 dwords (16 bytes of codes) and one scale byte per group
+            lanes16 = builder.icmp_unsigned(
+                "<", ir.Constant(v16i, list(range(16))), builder.mul(_splat(builder, left), ir.Constant(v16i, [4] * 16))
+            )
+            lanes4 = builder.icmp_unsigned("<", ir.Constant(v4i, [0, 1, 2, 3]), _splat(builder, left, 4))
+
             def chunk(c, tail):  # chunk c of every row; `tail`: the last one, of `left` groups
-                lanes16 = (
-                    builder.icmp_unsigned(
-                        "<",
-                        ir.Constant(v16i, list(range(16))),
-                        builder.mul(_splat_i32(builder, left), ir.Constant(v16i, [4] * 16)),
-                    )
-                    if tail
-                    else None
-                )
                 xv = {}
                 for t in range(xrows):
                     for p in range(8):
@@ -262,9 +253,6 @@ def _make_fp4_dots(rows: int, xrows: int):
                     )
                     if tail:
                         codes = masked(mload16, bp, v16i, lanes16)
-                        lanes4 = builder.icmp_unsigned(
-                            "<", ir.Constant(v4i, [0, 1, 2, 3]), _splat_i32(builder, left, 4)
-                        )
                         e4 = masked(mload4, sp, v4b, lanes4)
                     else:
                         _prefetch(builder, bp)
@@ -310,14 +298,14 @@ def _make_fp4_dots(rows: int, xrows: int):
     return dots
 
 
-def _splat_i32(builder, v, width=16):
-    """An i32 value in every lane of a <width x i32>."""
+def _splat(builder, v, width=16):
+    """A scalar value (of any type) in every lane of a <width x its type>."""
     i32 = ir.IntType(32)
-    vt = ir.VectorType(i32, width)
+    vt = ir.VectorType(v.type, width)
     return builder.shuffle_vector(
         builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.Constant(i32, 0)),
         ir.Constant(vt, ir.Undefined),
-        ir.Constant(vt, [0] * width),
+        ir.Constant(ir.VectorType(i32, width), [0] * width),
     )
 
 
