@@ -17,15 +17,15 @@ MODEL = Path(__file__).resolve().parent.parent / "models" / "dsv4-stdlib-12l"
 
 
 def _dispatchers() -> dict[str, object]:
-    """Every numba dispatcher the model's steps call: the kernels (both builds of each Threaded one) and the
-    step metadata kernels of model/batch.py."""
+    """Every numba dispatcher the model's steps call: the kernels (a Threaded one's compiled kernel), the launcher
+    of their threaded parts (base._run_parts) and the step metadata kernels of model/batch.py."""
     found: dict[str, object] = {}
     for module in cpu_kernels.MODULES:
         for name, obj in vars(module).items():
             if isinstance(obj, numba.core.dispatcher.Dispatcher):
                 builds = {name: obj}
             elif isinstance(obj, cpu_kernels.Threaded):
-                builds = {f"{name}.one": obj.one, f"{name}.all": obj.all}
+                builds = {name: obj.kernel}
             else:
                 continue
             for key, build in builds.items():  # (one imported into several kernel modules is one dispatcher)
@@ -44,9 +44,10 @@ def test_generation_after_warmup_compiles_nothing(monkeypatch):
     cfg = ModelConfig.from_hf(MODEL)
     assert CSA in cfg.layer_types and cfg.index_topk > 0  # the model has an indexer that selects
     dispatchers = _dispatchers()
-    for name in ("attend.one", "attend.all", "moe_tokens.one", "index_select.one", "index_select.all", "compress.one"):
+    kernels = ("attend", "moe_experts", "index_scores", "index_merge", "compress_windows", "hc_pre", "linear")
+    for name in (*kernels, "_run_parts"):
         assert name in dispatchers, name
-    # conftest runs one thread; two here, so that steps (and the warm-up) also take the threaded builds
+    # conftest runs one thread; two here, so that steps (and the warm-up) also run kernels in threaded parts
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -71,10 +72,11 @@ def test_generation_after_warmup_compiles_nothing(monkeypatch):
         torch.set_num_threads(threads)
     new = {name: sorted(map(str, after[name] - warmed[name])) for name in dispatchers if after[name] - warmed[name]}
     assert not new, f"compiled after the warm-up: {new}"
-    # Not vacuous: the warm-up compiled the attention, MoE, indexer and compressor kernels, and the generation
-    # ran the indexer's selection, in prefill (several query blocks) and decode (one) steps.
-    for name in ("attend", "moe_tokens", "index_select", "compress", "hc_pre", "linear"):
-        assert warmed[f"{name}.one"] | warmed[f"{name}.all"], name
+    # Not vacuous: the warm-up compiled the attention, MoE, indexer and compressor kernels and the launcher of
+    # threaded parts, and the generation ran the indexer's selection, in prefill (several query blocks) and decode
+    # (one) steps.
+    for name in (*kernels, "_run_parts"):
+        assert warmed[name], name
     assert 1 in selected and max(selected) > 1, selected
 
 

@@ -225,9 +225,10 @@ class StageRunner:
     def warmup(self) -> None:
         """Throw-away forwards, so first-call costs (compiling or loading the kernels' variants, the allocator)
         are not billed to the first request, through the trunk and the drafter when there is one. Each kernel
-        has a threaded and a one-thread build, taken by the call's size, and some take other array layouts for
-        one token than for several, so the warm-up runs one step of each shape a request's steps take:
-          - a long prefill chunk (the torch path; threaded builds), past index_topk compressed rows of the CSA
+        runs whole or in threaded parts (their launcher compiled per argument types), taken by the call's size,
+        and some take other array layouts for one token than for several, so the warm-up runs one step of each
+        shape a request's steps take:
+          - a long prefill chunk (the torch path; threaded parts), past index_topk compressed rows of the CSA
             layers (their indexer's top-k selection) and over more than one query block;
           - prefill chunks of 16 tokens and of a few (the torch path's few-row kernels: threaded, one-thread);
           - a one-token decode step (the decode path), and with speculation a verification-sized step too.

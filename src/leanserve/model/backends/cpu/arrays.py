@@ -24,7 +24,7 @@ SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 def spread(tasks: int, work: int) -> int:
     """A threaded kernel's work measure (its multiply-adds or elements) when its outer loop has `tasks` iterations
-    to spread over the cores; 0 (the one-thread build) for a single one, which no other core could share."""
+    to spread over the cores; 0 (one thread) for a single one, which no other core could share."""
     return work if tasks > 1 else 0
 
 
@@ -68,7 +68,7 @@ def post_comb(weights: np.ndarray, hc: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # Tokens below which a site's hc_post and the next one's hc_pre run as one call on one thread: from there on the
-# two kernels take their threaded builds.
+# two kernels run in threaded parts.
 FUSED_MIX = ck.hc_pre.min_work
 
 

@@ -43,7 +43,7 @@ MODULES = (base, mix, linear, simd, quantized, moe, attention)
 def compiled_before() -> bool:
     """Whether an earlier process compiled the kernels into numba's cache (that of the threaded attention, which
     every engine's warm-up builds), so that this one loads them instead of compiling."""
-    return not available() or base.cached(attention.attend.all)
+    return not available() or base.cached(attention.attend.kernel)
 
 
 __all__ = [

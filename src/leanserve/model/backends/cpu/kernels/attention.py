@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from leanserve.model.backends.cpu.kernels.base import Threaded, _copy_row_jit, _exp_jit, _jit, prange
+from leanserve.model.backends.cpu.kernels.base import Threaded, _copy_row_jit, _exp_jit, _jit, _share_jit
 from leanserve.model.backends.cpu.kernels.linear import _linear_tiles_jit, _weighted_rows_jit
 
 
@@ -22,24 +22,33 @@ def _store_rows(kv, gate, src_rows, dst_rows, kv_ring, gate_ring):  # pragma: no
 _store_rows_jit = _jit(_store_rows)
 
 
-def _compress(kv, gate, src_rows, dst_rows, kv_ring, gate_ring, write_first, src, src_valid, ape, overlap, w, eps,
-              freqs, rows, row_dst):  # fmt: skip
-    # (compiled) One compressor step: stores this step's kv/gate [T, width] rows src_rows at ring rows dst_rows
-    # (before reading, with write_first, else after: see model/batch.py), and for each window closing this
-    # step (src [NW, span] store rows: the ring, then this step's rows; src_valid [NW, span]) pools the window
-    # per channel with a softmax over gate + ape [r, width], RMS-normalises the entry (times w [dim]), rotates
-    # its trailing channels by freqs [NW, R/2, 2] and writes it to rows [*, dim] row row_dst. CSA (overlap):
-    # the first r slots take channels [0, dim) (the previous window's Ca), the last r channels [dim, 2*dim)
-    # (this window's Cb).
+def compress(work, kv, gate, src_rows, dst_rows, kv_ring, gate_ring, write_first, src, src_valid, ape, overlap, w,
+             eps, freqs, rows, row_dst):  # fmt: skip
+    """One compressor step: stores this step's kv/gate [T, width] rows src_rows at ring rows dst_rows (before
+    reading, with write_first, else after: see model/batch.py), and for each window closing this step (src [NW,
+    span] store rows: the ring, then this step's rows; src_valid [NW, span]) pools the window per channel with a
+    softmax over gate + ape [r, width], RMS-normalises the entry (times w [dim]), rotates its trailing channels by
+    freqs [NW, R/2, 2] and writes it to rows [*, dim] row row_dst. CSA (overlap): the first r slots take channels
+    [0, dim) (the previous window's Ca), the last r channels [dim, 2*dim) (this window's Cb). `work`: the windows
+    closing this step (they are spread over the cores, compress_windows)."""
     if write_first:
         _store_rows_jit(kv, gate, src_rows, dst_rows, kv_ring, gate_ring)
+    compress_windows(work, kv, gate, kv_ring, gate_ring, src, src_valid, ape, overlap, w, eps, freqs, rows, row_dst)
+    if not write_first:
+        _store_rows_jit(kv, gate, src_rows, dst_rows, kv_ring, gate_ring)
+
+
+def _compress_windows(kv, gate, kv_ring, gate_ring, src, src_valid, ape, overlap, w, eps, freqs, rows, row_dst, part,
+                      parts):  # fmt: skip
+    # (compiled) compress's windows (this part's share of them)
     ring_rows = kv_ring.shape[0]
     span = src.shape[1]
     ratio = ape.shape[0]
     dim = rows.shape[1]
     half = freqs.shape[1]
     lead = dim - 2 * half
-    for v in prange(src.shape[0]):
+    lo, hi = _share_jit(src.shape[0], part, parts)
+    for v in range(lo, hi):
         # Per channel: the softmax's running maximum, its sum and the weighted sum; channels innermost (vectors).
         top = np.full(dim, -np.inf, dtype=np.float32)
         total = np.zeros(dim, dtype=np.float32)
@@ -74,12 +83,9 @@ def _compress(kv, gate, src_rows, dst_rows, kv_ring, gate_ring, write_first, src
             out[lead + 2 * q] = re * cr - im * ci
             out[lead + 2 * q + 1] = re * ci + im * cr
 
-    if not write_first:
-        _store_rows_jit(kv, gate, src_rows, dst_rows, kv_ring, gate_ring)
-
 
 # work = windows closing this step
-compress = Threaded(_compress, min_work=64)
+compress_windows = Threaded(_compress_windows, min_work=64)
 
 
 # --- attention over a step's query blocks -----------------------------------------------------------------
@@ -145,7 +151,7 @@ _rotate_out_jit = _jit(_rotate_out)
 
 
 def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, rows, visible, chosen, sink, scale,
-            freqs, out):  # fmt: skip
+            freqs, out, part, parts):  # fmt: skip
     # (compiled) Shared-KV attention (keys = values) for one group of query blocks, see model/batch.py:
     #   q [T, H, D] RoPE'd queries; window keys are store rows key_index[b, :] masked by key_mask[b, i, :],
     #   where the store is ring [Rr, D] followed by new_kv [T, D]; then the compressed rows 0..n-1 of slot[b]'s
@@ -167,7 +173,8 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
     width = key_index.shape[1]
     picked = chosen.shape[0] > 0
     per_block = rows.shape[1]
-    for b in prange(num_blocks):
+    lo_b, hi_b = _share_jit(num_blocks, part, parts)
+    for b in range(lo_b, hi_b):
         most = 0
         for i in range(block):
             if q_valid[b, i]:
@@ -259,34 +266,46 @@ def _keep_best(score, row, kept, topk):  # pragma: no cover - compiled
 _keep_best_jit = _jit(_keep_best)
 
 
-def _index_select(q, head_w, q_rows, q_valid, slot, table, keys, visible, topk, scale, parts, out):  # pragma: no cover
-    # (compiled) The Lightning Indexer's choice for one group of query blocks: each visible compressed row
-    # c < visible[b, i] scores sum_h head_w[t, h] * scale * relu(q[t, h] . keys row c), and a query keeps its
-    # `topk` best (of equal scores, the lower row): out [NB, Bq, topk] their rows ascending, -1 after the last (a
-    # query that sees at most topk rows keeps them all). q [T, H, d], head_w [T, H], keys the indexer's pool
-    # [blocks, P, d] (row c of slot s at keys[table[s, c // P], c % P]).
-    # The rows stream past INDEX_ROWS at a time: their scores for every query of the block, then each query's
-    # candidates that beat its k-th best so far; the candidates (up to 2 * topk) are cut back to the topk best
-    # when full. A block's rows may be split in `parts` ranges scored in parallel (decode: one query per block),
-    # whose candidates are merged at the end; the choice is exact, so it does not depend on the split, and each
-    # score is the same arithmetic in any step (the linear's tiles, heads summed in order): batch invariant.
+def index_select(work, q, head_w, q_rows, q_valid, slot, table, keys, visible, topk, scale, splits, out):
+    """The Lightning Indexer's choice for one group of query blocks: each visible compressed row c < visible[b, i]
+    scores sum_h head_w[t, h] * scale * relu(q[t, h] . keys row c), and a query keeps its `topk` best (of equal
+    scores, the lower row): out [NB, Bq, topk] their rows ascending, -1 after the last (a query that sees at most
+    topk rows keeps them all). q [T, H, d], head_w [T, H], keys the indexer's pool [blocks, P, d] (row c of slot s
+    at keys[table[s, c // P], c % P]).
+    The rows stream past INDEX_ROWS at a time: their scores for every query of the block, then each query's
+    candidates that beat its k-th best so far; the candidates (up to 2 * topk) are cut back to the topk best when
+    full. A block's rows may be split in `splits` ranges scored in parallel (decode: one query per block), whose
+    candidates are merged at the end (index_merge); the choice is exact, so it does not depend on the split, and
+    each score is the same arithmetic in any step (the linear's tiles, heads summed in order): batch invariant.
+    `work`: see index_scores."""
     num_blocks, block = q_rows.shape
+    room = 2 * topk
+    cand_s = np.empty((num_blocks, splits, block, room), dtype=np.float32)
+    cand_r = np.empty((num_blocks, splits, block, room), dtype=np.int64)
+    cand_n = np.zeros((num_blocks, splits, block), dtype=np.int64)
+    index_scores(work, q, head_w, q_rows, q_valid, slot, table, keys, visible, topk, scale, cand_s, cand_r, cand_n)
+    index_merge(work, q_rows, q_valid, visible, topk, cand_s, cand_r, cand_n, out)
+
+
+def _index_scores(q, head_w, q_rows, q_valid, slot, table, keys, visible, topk, scale, cand_s, cand_r, cand_n, part,
+                  parts):  # fmt: skip  # pragma: no cover - compiled
+    # index_select's candidates of each (block, split of its rows): this part's share of them
+    num_blocks, block = q_rows.shape
+    splits = cand_s.shape[1]
     heads, dim = q.shape[1], q.shape[2]
     per_block = keys.shape[1]
     flat = keys.reshape(-1, dim)
     room = 2 * topk
-    cand_s = np.empty((num_blocks, parts, block, room), dtype=np.float32)
-    cand_r = np.empty((num_blocks, parts, block, room), dtype=np.int64)
-    cand_n = np.zeros((num_blocks, parts, block), dtype=np.int64)
-    for u in prange(num_blocks * parts):
-        b, part = u // parts, u % parts
+    lo_u, hi_u = _share_jit(num_blocks * splits, part, parts)
+    for u in range(lo_u, hi_u):
+        b, split = u // splits, u % splits
         most = 0
         for i in range(block):
             if q_valid[b, i]:
                 most = max(most, visible[b, i])
         if most <= topk:
             continue
-        lo, hi = most * part // parts, most * (part + 1) // parts
+        lo, hi = _share_jit(most, split, splits)
         floor = np.full(block, -np.inf, dtype=np.float32)  # each query's k-th best after its last cut
         chunk = np.empty((INDEX_ROWS, dim), dtype=np.float32)
         scores = np.empty((heads, INDEX_ROWS), dtype=np.float32)
@@ -307,8 +326,8 @@ def _index_select(q, head_w, q_rows, q_valid, slot, table, keys, visible, topk, 
                     wh = head_w[t, h] * np.float32(scale)
                     for r in range(n):
                         total[r] += max(scores[h, r], np.float32(0.0)) * wh
-                s, rr = cand_s[b, part, i], cand_r[b, part, i]
-                kept = cand_n[b, part, i]
+                s, rr = cand_s[b, split, i], cand_r[b, split, i]
+                kept = cand_n[b, split, i]
                 for r in range(n):
                     if total[r] > floor[i]:
                         s[kept] = total[r]
@@ -317,10 +336,17 @@ def _index_select(q, head_w, q_rows, q_valid, slot, table, keys, visible, topk, 
                         if kept == room:
                             kept = _keep_best_jit(s, rr, kept, topk)
                             floor[i] = np.min(s[:kept])
-                cand_n[b, part, i] = kept
-    for b in prange(num_blocks):
-        merged_s = np.empty(parts * room, dtype=np.float32)
-        merged_r = np.empty(parts * room, dtype=np.int64)
+                cand_n[b, split, i] = kept
+
+
+def _index_merge(q_rows, q_valid, visible, topk, cand_s, cand_r, cand_n, out, part, parts):  # pragma: no cover
+    # (compiled) index_select's choice per query from its splits' candidates, this part's share of the blocks
+    num_blocks, block = q_rows.shape
+    splits, room = cand_s.shape[1], cand_s.shape[3]
+    lo_b, hi_b = _share_jit(num_blocks, part, parts)
+    for b in range(lo_b, hi_b):
+        merged_s = np.empty(splits * room, dtype=np.float32)
+        merged_r = np.empty(splits * room, dtype=np.int64)
         for i in range(block):
             for j in range(topk):
                 out[b, i, j] = -1
@@ -331,11 +357,11 @@ def _index_select(q, head_w, q_rows, q_valid, slot, table, keys, visible, topk, 
                 for c in range(m):
                     out[b, i, c] = c
                 continue
-            kept = 0  # the parts' candidates in part order: rows ascending
-            for part in range(parts):
-                for j in range(cand_n[b, part, i]):
-                    merged_s[kept] = cand_s[b, part, i, j]
-                    merged_r[kept] = cand_r[b, part, i, j]
+            kept = 0  # the splits' candidates in split order: rows ascending
+            for split in range(splits):
+                for j in range(cand_n[b, split, i]):
+                    merged_s[kept] = cand_s[b, split, i, j]
+                    merged_r[kept] = cand_r[b, split, i, j]
                     kept += 1
             kept = _keep_best_jit(merged_s, merged_r, kept, topk)
             for j in range(kept):
@@ -343,5 +369,6 @@ def _index_select(q, head_w, q_rows, q_valid, slot, table, keys, visible, topk, 
 
 
 # work = the query-row dot products of a block's queries and heads, times the rows' width: threads pay from about
-# eight decode blocks of the shipped model (2 cores); a block (or a part of its rows) is one prange iteration
-index_select = Threaded(_index_select, min_work=1 << 17)
+# eight decode blocks of the shipped model (2 cores); a block (or a split of its rows) is one task
+index_scores = Threaded(_index_scores, min_work=1 << 17)
+index_merge = Threaded(_index_merge, min_work=1 << 17)

@@ -1,5 +1,5 @@
 """What every kernel module shares: numba's settings (fast-math flags, numpy's error model, the on-disk cache),
-`Threaded` (a kernel's one-thread and all-core builds), the thread cap (`limit_threads`, `one_thread`),
+`Threaded` (a kernel run whole on one thread or in parts on every core), the thread cap (`limit_threads`, `one_thread`),
 `disabled()` (as if numba were missing), an e^x that vectorises, and numpy views of tensors."""
 
 from __future__ import annotations
@@ -98,21 +98,97 @@ def cached(kernel) -> bool:
         return True
 
 
+def _share(n, part, parts):  # pragma: no cover - compiled: tasks [lo, hi) of `part` of `parts` equal shares of n
+    return n * part // parts, n * (part + 1) // parts
+
+
+_share_jit = _inlined(_share) if numba is not None else None
+
+
 class Threaded:
-    """A kernel compiled twice: for one thread, and with its outer `prange` loop spread over all cores. A call
-    `kernel(work, *args)` takes the threaded build when `work` (the caller's measure of the call's size, e.g.
-    tokens or multiply-adds) reaches `min_work`: below that, waking the other cores costs more than it saves.
-    Each iteration of a threaded loop writes only its own outputs: no races and no sums shared between threads.
-    (The two builds are compiled separately and may vectorise a sum in a different order: float32 rounding.)"""
+    """A kernel compiled once, `fn(*args, part, parts)`, that does share `part` of `parts` equal shares of its tasks
+    (each task writes only its own outputs: no races, no sums shared between threads). A call `kernel(work, *args)`
+    runs it whole on this thread (part 0 of 1) while `work` (the caller's measure of the call's size, e.g. tokens or
+    multiply-adds) is below `min_work`, where waking other cores costs more than it saves; from there on, one part
+    per core at once (`_run_parts`). The parts call the kernel's compiled code by its address, so the threaded
+    path compiles only a small launcher per argument types instead of a second build of the kernel and of all it
+    calls (numba's parallel builds cost 2-5x their one-thread builds), and a task gets the same arithmetic on any
+    number of threads."""
 
     def __init__(self, fn, min_work: int) -> None:
-        self.one, self.min_work = _jit(fn), min_work
-        self.all = _jit(fn, parallel=True) if numba is not None else None
+        self.kernel, self.min_work = _jit(fn), min_work
+        self._addresses: dict = {}  # argument types' fingerprint -> the kernel's native code for them
 
     def __call__(self, work: int, *args):
-        if work >= self.min_work and _threads_ok():
-            return self.all(*args)
-        return self.one(*args)
+        parts = threads() if work >= self.min_work else 1
+        if parts < 2:
+            return self.kernel(*args, 0, 1)
+        return self._parallel(args, parts)
+
+    def _parallel(self, args: tuple, parts: int) -> None:
+        if not _run_parts(self.address(args), args, parts):
+            raise RuntimeError(f"{self.kernel.py_func.__name__} failed in a thread")
+
+    def address(self, args: tuple) -> int:
+        """The address of the kernel's native code for these arguments' types (compiled, or loaded from the
+        cache, on first use)."""
+        key = _fingerprint(args)
+        address = self._addresses.get(key)
+        if address is None:
+            sig = tuple([self.kernel.typeof_pyval(a) for a in args]) + (numba.types.intp, numba.types.intp)
+            self.kernel.compile(sig)
+            result = self.kernel.overloads[sig]
+            address = self._addresses[key] = result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
+        return address
+
+
+if numba is not None:
+    from numba._dispatcher import compute_fingerprint as _fingerprint
+    from numba.core import cgutils as _cgutils
+    from numba.extending import models as _models
+
+    class _ArgsRef(numba.types.Type):
+        """A pointer to a tuple of a kernel's arguments (of type `tup`) on the launcher's stack: what the parts
+        get instead of the tuple itself, which numba's parallel loops cannot take when it holds tuples."""
+
+        def __init__(self, tup) -> None:
+            self.tup = tup
+            super().__init__(name=f"ArgsRef({tup})")
+
+    numba.extending.register_model(_ArgsRef)(_models.OpaqueModel)
+
+    @numba.extending.intrinsic
+    def _args_ref(typingctx, args):
+        def codegen(context, builder, signature, llargs):
+            slot = _cgutils.alloca_once_value(builder, llargs[0])
+            return builder.bitcast(slot, ir.IntType(8).as_pointer())
+
+        return _ArgsRef(args)(args), codegen
+
+    @numba.extending.intrinsic
+    def _call_part(typingctx, address, ref, part, parts):
+        # kernel(*args, part, parts) for the kernel's native code at `address`; True unless it raised
+        def codegen(context, builder, signature, llargs):
+            address_, ref_, part_, parts_ = llargs
+            tup = ref.tup
+            values = builder.load(builder.bitcast(ref_, context.get_value_type(tup).as_pointer()))
+            argtys = [*tup.types, signature.args[2], signature.args[3]]
+            vals = [builder.extract_value(values, i) for i in range(len(tup))] + [part_, parts_]
+            fnty = context.call_conv.get_function_type(numba.types.none, argtys)
+            fn = builder.inttoptr(address_, fnty.as_pointer())
+            status, _ = context.call_conv.call_function(builder, fn, numba.types.none, argtys, vals)
+            return builder.not_(status.is_error)
+
+        return numba.types.boolean(address, ref, part, parts), codegen
+
+    def _run_parts_fn(address, args, parts):  # pragma: no cover - compiled: every part at once, True if all ran
+        ref = _args_ref(args)
+        ok = np.ones(parts, dtype=np.bool_)
+        for c in prange(parts):
+            ok[c] = _call_part(address, ref, c, parts)
+        return ok.all()
+
+    _run_parts = _jit(_run_parts_fn, parallel=True)
 
 
 _threaded_ok: bool | None = None
@@ -127,7 +203,7 @@ def limit_threads(n: int | None) -> None:
 
 @contextlib.contextmanager
 def one_thread():
-    """Runs every kernel's one-thread build (tests compare it with the threaded one)."""
+    """Runs every kernel whole on the calling thread (tests compare it with threaded parts)."""
     global _max_threads
     before, _max_threads = _max_threads, 1
     try:
@@ -137,7 +213,7 @@ def one_thread():
 
 
 def threads() -> int:
-    """How many cores a threaded build spreads over here (1 where threaded builds do not run)."""
+    """How many cores a threaded kernel spreads over here (1 where threaded parts do not run)."""
     if not _threads_ok():
         return 1
     n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
@@ -145,7 +221,7 @@ def threads() -> int:
 
 
 def _threads_ok() -> bool:
-    """Whether threaded builds run: torch may use more than one thread (`--threads`, torch.set_num_threads),
+    """Whether threaded parts run: torch may use more than one thread (`--threads`, torch.set_num_threads),
     and numba has more than one and its OpenMP (or TBB) threading layer. Its fallback layer (workqueue) costs
     more to wake than these kernels take, so it is not used."""
     global _threaded_ok

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from leanserve.model.backends.cpu.kernels.base import _EXACT, Threaded, _jit, numba, prange
+from leanserve.model.backends.cpu.kernels.base import _EXACT, Threaded, _jit, _share_jit, numba
 from leanserve.model.backends.cpu.kernels.simd import tile_dot, weighted_rows
 
 # --- Linear for a few rows --------------------------------------------------------------------------------
@@ -164,11 +164,12 @@ _chunk_ends_jit = _jit(_chunk_ends)
 _chunk_of_jit = _jit(_chunk_of)
 
 
-def _linear(x, ws, outs):  # pragma: no cover - compiled
+def _linear(x, ws, outs, part, parts):  # pragma: no cover - compiled
     # outs[i] = x @ ws[i]^T for a tuple of weights of one dtype (the linears that read the same input), the
-    # weights' rows in chunks of LINEAR_CHUNK, one task each
+    # weights' rows in chunks of LINEAR_CHUNK, one task each (this part's share of them: see base.Threaded)
     ends = _chunk_ends_jit(ws)
-    for task in prange(ends[len(ws)]):
+    lo, hi = _share_jit(ends[len(ws)], part, parts)
+    for task in range(lo, hi):
         i, j0 = _chunk_of_jit(ends, task)
         w, out = ws[i], outs[i]
         j1 = min(w.shape[0], j0 + LINEAR_CHUNK)
@@ -179,14 +180,15 @@ def _linear(x, ws, outs):  # pragma: no cover - compiled
 linear = Threaded(_linear, min_work=1 << 18)
 
 
-def _grouped_linear(x, w, out):  # pragma: no cover - compiled
+def _grouped_linear(x, w, out, part, parts):  # pragma: no cover - compiled
     # out [T, G, J] = per group g: x[:, g] [T, K] @ w[g] [J, K]^T
     n, groups = x.shape[0], x.shape[1]
-    for g in prange(groups):
-        part = np.empty((n, x.shape[2]), dtype=np.float32)
+    lo, hi = _share_jit(groups, part, parts)
+    for g in range(lo, hi):
+        xg = np.empty((n, x.shape[2]), dtype=np.float32)
         res = np.empty((n, w.shape[1]), dtype=np.float32)
-        part[:] = x[:, g]
-        _linear_rows_jit(part, w[g], res, n)
+        xg[:] = x[:, g]
+        _linear_rows_jit(xg, w[g], res, n)
         out[:, g] = res
 
 

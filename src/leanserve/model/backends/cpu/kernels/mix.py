@@ -7,16 +7,17 @@ import math
 
 import numpy as np
 
-from leanserve.model.backends.cpu.kernels.base import _EXACT, Threaded, _exp_jit, _inlined, _jit, numba, prange
+from leanserve.model.backends.cpu.kernels.base import _EXACT, Threaded, _exp_jit, _inlined, _jit, _share_jit, numba
 from leanserve.model.backends.cpu.kernels.linear import _linear_rows_jit
 
 
 # --- RMSNorm --------------------------------------------------------------------------------------------
-def _rms_norm(x, w, eps, out):  # pragma: no cover - compiled
-    # x, out [N, D]; w [D] or empty (unweighted)
+def _rms_norm(x, w, eps, out, part, parts):  # pragma: no cover - compiled
+    # x, out [N, D]; w [D] or empty (unweighted); this part's rows (see base.Threaded)
     n, d = x.shape
     weighted = w.shape[0] > 0
-    for t in prange(n):
+    lo, hi = _share_jit(n, part, parts)
+    for t in range(lo, hi):
         s = np.float32(0.0)
         for i in range(d):
             s += x[t, i] * x[t, i]
@@ -162,13 +163,14 @@ def _lane_block(n):  # pragma: no cover - compiled: tokens per block of hc_pre (
 _lane_block_jit = _jit(_lane_block)
 
 
-def _hc_pre(streams, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out):  # pragma: no cover
+def _hc_pre(streams, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out, part, parts):  # fmt: skip  # pragma: no cover
     # streams [T, hc, D]; fn [M, hc*D], M = (2+hc)*hc (or hc: hc_head, pre only): the mixes are
     # RMSNorm(flat streams) @ fn^T, computed as (flat streams @ fn^T) * the row's RMS scale (one number per row).
     # weights_out [T, M]: pre | post | comb (see _mhc_lanes); x_out [T, D]: RMSNorm_w(sum_i pre_i * streams_i).
     n = streams.shape[0]
     size = _lane_block_jit(n)
-    for blk in prange((n + size - 1) // size):
+    lo, hi = _share_jit((n + size - 1) // size, part, parts)
+    for blk in range(lo, hi):
         t0 = blk * size
         lanes = min(size, n - t0)
         _hc_pre_rows_jit(streams, t0, lanes, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out)
@@ -193,9 +195,10 @@ def _post_mix(block_out, streams, post, comb, out, t):  # pragma: no cover - com
 _post_mix_jit = _jit(_post_mix)
 
 
-def _hc_post(block_out, streams, post, comb, out):  # pragma: no cover - compiled
-    # every token's _post_mix: the new streams out [T, hc, D]
-    for t in prange(streams.shape[0]):
+def _hc_post(block_out, streams, post, comb, out, part, parts):  # pragma: no cover - compiled
+    # every token's _post_mix (this part's tokens): the new streams out [T, hc, D]
+    lo, hi = _share_jit(streams.shape[0], part, parts)
+    for t in range(lo, hi):
         _post_mix_jit(block_out, streams, post, comb, out, t)
 
 
@@ -221,7 +224,7 @@ hc_post_pre = _jit(_hc_post_pre)
 
 
 # --- RoPE -------------------------------------------------------------------------------------------------
-def _norm_rope(x, w, eps, normalize, freqs, inverse, out):  # pragma: no cover - compiled
+def _norm_rope(x, w, eps, normalize, freqs, inverse, out, part, parts):  # pragma: no cover - compiled
     # x, out [T, H, D]; freqs [T, R/2, 2] (real, imaginary) of scale * e^(i*theta). With `normalize`, each
     # head is first RMS-normalised over D (times w unless w is empty). Then the trailing R channels of every
     # head are rotated in interleaved pairs (by -theta if `inverse`); the channels before them are kept.
@@ -229,7 +232,8 @@ def _norm_rope(x, w, eps, normalize, freqs, inverse, out):  # pragma: no cover -
     half = freqs.shape[1]
     lead = d - 2 * half
     weighted = w.shape[0] > 0
-    for t in prange(n):
+    lo, hi = _share_jit(n, part, parts)
+    for t in range(lo, hi):
         for a in range(h):
             r = np.float32(1.0)
             if normalize:

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from leanserve.model.backends.cpu.kernels.base import Threaded, _exp_jit, _jit, prange
+from leanserve.model.backends.cpu.kernels.base import Threaded, _exp_jit, _inlined, _jit, _share_jit
 from leanserve.model.backends.cpu.kernels.linear import _linear_rows_jit
 from leanserve.model.backends.cpu.kernels.quantized import _expert_rows, _matrix_rows
 from leanserve.model.quant import FP8_BLOCK
@@ -23,22 +23,58 @@ def _silu_glu(g, u, limit):  # pragma: no cover - compiled
 _silu_glu_jit = _jit(_silu_glu)
 
 
-def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3,
-                sw3_s, sw2, sw2_s, limit, out):  # fmt: skip
-    # (compiled) The whole MoE for a decode-sized batch: per token, router scores (0 = sqrt(softplus),
-    # 1 = sigmoid, 2 = softmax) and top-k by score + bias (or the hash table when tid2eid is not empty),
-    # weights normalised and times route_scale; then per expert, its tokens through its SwiGLU (each expert's
-    # weights read once), and the shared expert over all tokens.
-    # x, out [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; sw1/sw3 [I', H]; sw2 [H, I'], each with its scale (stored():
-    # EMPTY for plain weights; the experts FP4 or FP8, the shared expert FP8, see _expert_rows / _matrix_rows).
+def moe_tokens(work, x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13, w13_s, w2, w2_s, sw1, sw1_s,
+               sw3, sw3_s, sw2, sw2_s, limit, out):  # fmt: skip
+    """The whole MoE for a decode-sized batch: per token, router scores (0 = sqrt(softplus), 1 = sigmoid, 2 =
+    softmax) and top-k by score + bias (or the hash table when tid2eid is not empty), weights normalised and times
+    route_scale (moe_route); then per expert, its tokens through its SwiGLU (each expert's weights read once), and
+    the shared expert over all tokens, spread over the cores (moe_experts); their outputs added (moe_combine).
+    x, out [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; sw1/sw3 [I', H]; sw2 [H, I'], each with its scale (stored():
+    EMPTY for plain weights; the experts FP4 or FP8, the shared expert FP8, see _expert_rows / _matrix_rows).
+    `work`: moe_work's multiply-adds."""
     n, hidden = x.shape
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    num_experts, pairs = w13.shape[0], x.shape[0] * top_k
+    token_of = np.empty(pairs, dtype=np.int64)
+    weight_of = np.empty(pairs, dtype=np.float32)
+    counts = np.zeros(num_experts + 1, dtype=np.int64)
+    tasks = np.empty(num_experts + 2, dtype=np.int64)
+    chunks = _shared_parts(sw1, sw2_s)[1]
+    num_tasks = moe_route(
+        x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, chunks, token_of, weight_of, counts, tasks
+    )
+    ys = np.empty((pairs, hidden), dtype=np.float32)
+    shared = np.empty((chunks, n, hidden), dtype=np.float32)
+    moe_experts(work, x, counts, tasks[:num_tasks], token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s,
+                sw2, sw2_s, limit, ys, shared)  # fmt: skip
+    moe_combine(token_of, ys, shared, out)
+
+
+def _shared_parts(sw1, sw2_s):
+    # The shared expert's intermediate rows cut in two (each part reads its own half of the weights, for every
+    # token; an FP8 weight's columns are cut at its scale blocks): (the cut, the number of parts). (Also compiled.)
+    shared = sw1.shape[0]
+    align = FP8_BLOCK if sw2_s.ndim == 2 else 1
+    cut = shared // 2 // align * align
+    return cut, 2 if cut > 0 else 1
+
+
+_shared_parts_jit = _inlined(_shared_parts)
+
+
+def _moe_route(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, chunks, token_of, weight_of, counts, tasks):  # fmt: skip
+    # (compiled) moe_tokens' routing: the (token, k) pairs bucketed by expert (expert e's are [counts[e],
+    # counts[e + 1]) of token_of and their weights weight_of); returns the number of tasks written to `tasks`:
+    # each expert that has tokens (e), and the shared expert's `chunks` parts (num_experts + c), each part ahead of half
+    # the experts, so that equal shares of the tasks are equal work when the experts' loads are even (at batch 1
+    # on two cores: a part and three of the six experts each).
+    n = x.shape[0]
+    num_experts = gate_w.shape[0]
     chosen = np.empty((n, top_k), dtype=np.int64)
     weight = np.empty((n, top_k), dtype=np.float32)
     scores = np.empty((n, num_experts), dtype=np.float32)  # the router's logits, then its scores
     keyed = np.empty((n, num_experts) if tid2eid.shape[0] == 0 else (0, 0), dtype=np.float32)  # scores + bias
     _linear_rows_jit(x, gate_w, scores, n)
-    for t in prange(n):  # (each token's routing is its own: threaded over tokens)
+    for t in range(n):
         for e in range(num_experts):
             z = scores[t, e]
             if scoring == 0:
@@ -72,36 +108,21 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
             total += scores[t, chosen[t, j]]
         for j in range(top_k):
             weight[t, j] = scores[t, chosen[t, j]] / (total + np.float32(1e-20)) * np.float32(route_scale)
-    counts = np.zeros(num_experts + 1, dtype=np.int64)
     for t in range(n):
         for j in range(top_k):
             counts[chosen[t, j] + 1] += 1
-    # Bucket the (token, k) pairs by expert.
     for e in range(num_experts):
         counts[e + 1] += counts[e]
     fill = counts[:num_experts].copy()
-    token_of = np.empty(n * top_k, dtype=np.int64)
-    weight_of = np.empty(n * top_k, dtype=np.float32)
     for t in range(n):
         for j in range(top_k):
             e = chosen[t, j]
             token_of[fill[e]] = t
             weight_of[fill[e]] = weight[t, j]
             fill[e] += 1
-    # Tasks, spread over the cores: each expert that has tokens, and the shared expert in two parts (its
-    # intermediate rows cut in two: each part reads its own half of the weights, for every token), each part ahead
-    # of half the experts: the threads take equal runs of tasks, and so get equal work when the experts' loads are
-    # even (at batch 1 on two cores: a part and three of the six experts each). Each task writes only its own
-    # rows: the routed experts' outputs go to ys (one row per (token, k) pair), the shared expert's parts to
-    # parts; they are added after, in a fixed order (the same for any number of tokens).
-    shared = sw1.shape[0]
-    align = FP8_BLOCK if sw2_s.ndim == 2 else 1  # (an FP8 weight's columns are cut at its scale blocks)
-    cut = shared // 2 // align * align
-    chunks = 2 if cut > 0 else 1
     active = 0
     for e in range(num_experts):
         active += counts[e + 1] > counts[e]
-    tasks = np.empty(active + chunks, dtype=np.int64)
     num_tasks, seen, half = 0, 0, 0
     for e in range(num_experts):
         if counts[e + 1] > counts[e]:
@@ -115,13 +136,26 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
     for c in range(half, chunks):
         tasks[num_tasks] = num_experts + c
         num_tasks += 1
-    pairs = n * top_k
+    return num_tasks
+
+
+moe_route = _jit(_moe_route)
+
+
+def _moe_experts(x, counts, tasks, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s, sw2, sw2_s, limit,
+                 ys, shared_out, part, parts):  # fmt: skip
+    # (compiled) moe_tokens' tasks (this part's share of them): each writes only its own rows, the routed experts'
+    # outputs to ys (one row per (token, k) pair), the shared expert's parts to shared_out[c]
+    n, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    cut, chunks = _shared_parts_jit(sw1, sw2_s)
+    shared = sw1.shape[0]
+    pairs = token_of.shape[0]
     rows = np.empty((pairs, hidden), dtype=np.float32)
     both = np.empty((pairs, 2 * inter), dtype=np.float32)
     act = np.empty((pairs, inter), dtype=np.float32)
-    ys = np.empty((pairs, hidden), dtype=np.float32)
-    parts = np.empty((chunks, n, hidden), dtype=np.float32)  # the shared expert's output, per part
-    for job in prange(num_tasks):
+    lo, hi = _share_jit(tasks.shape[0], part, parts)
+    for job in range(lo, hi):
         e = tasks[job]
         if e >= num_experts:  # a part of the shared expert's intermediate rows, for every token
             c = e - num_experts
@@ -133,7 +167,7 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
             for t in range(n):
                 for i in range(i1 - i0):
                     gates[t, i] = _silu_glu_jit(gates[t, i], ups[t, i], limit)
-            _matrix_rows(gates, sw2, sw2_s, parts[c], n, 0, i0)
+            _matrix_rows(gates, sw2, sw2_s, shared_out[c], n, 0, i0)
             continue
         first, last = counts[e], counts[e + 1]
         for r in range(first, last):
@@ -144,24 +178,32 @@ def _moe_tokens(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13,
             for i in range(inter):
                 act[r, i] = _silu_glu_jit(both[r, i], both[r, inter + i], limit) * weight_of[r]
         _expert_rows(act[first:last], w2, w2_s, e, ys[first:last], last - first)
-    # The shared expert's parts added, then the routed experts' outputs in expert order.
+
+
+# work = multiply-adds (moe_work): on 2 cores the shipped model's experts pay for threads from about 16 tokens, and
+# DeepSeek-V4's at any count (its tasks, the active experts, read megabytes each)
+moe_experts = Threaded(_moe_experts, min_work=1 << 20)
+
+
+def _moe_combine(token_of, ys, shared, out):  # pragma: no cover - compiled
+    # out = the shared expert's parts added, then the routed experts' outputs in expert order (the same order for
+    # any number of tokens and threads)
+    n, hidden = out.shape
     for t in range(n):
         for k in range(hidden):
-            out[t, k] = parts[0, t, k] + parts[1, t, k] if chunks == 2 else parts[0, t, k]
-    for r in range(pairs):
+            out[t, k] = shared[0, t, k] + shared[1, t, k] if shared.shape[0] == 2 else shared[0, t, k]
+    for r in range(token_of.shape[0]):
         t = token_of[r]
         for k in range(hidden):
             out[t, k] += ys[r, k]
 
 
-# work = multiply-adds (moe_work): on 2 cores the shipped model's experts pay for threads from about 16 tokens, and
-# DeepSeek-V4's at any count (its tasks, the active experts, read megabytes each)
-moe_tokens = Threaded(_moe_tokens, min_work=1 << 20)
+moe_combine = _jit(_moe_combine)
 
 
 def moe_work(n: int, weights: tuple) -> int:
     """The experts' multiply-adds for n tokens: each through its top_k experts and the shared one (three matrices
-    of hidden x intermediate each). `weights`: _moe_tokens' arguments from gate_w to limit, in its order (w13
+    of hidden x intermediate each). `weights`: moe_tokens' arguments from gate_w to limit, in its order (w13
     [E, 2I, ...] and sw1 [I', ...] as stored: their rows count)."""
     gate, _, _, top_k, _, _, w13, _, _, _, sw1 = weights[:11]
     return n * 3 * gate.shape[1] * (top_k * (w13.shape[1] // 2) + sw1.shape[0])

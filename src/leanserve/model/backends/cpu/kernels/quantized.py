@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from leanserve.model.backends.cpu.kernels.base import EMPTY, Threaded, _f32_from_bits, _inlined, _jit, numba, prange
+from leanserve.model.backends.cpu.kernels.base import EMPTY, Threaded, _f32_from_bits, _inlined, _jit, _share_jit, numba
 from leanserve.model.backends.cpu.kernels.linear import (
     LINEAR_CHUNK,
     ROW_BLOCK,
@@ -238,13 +238,15 @@ _fp8_rows_jit = _jit(_fp8_rows)
 _fp4_rows_jit = _jit(_fp4_rows)
 
 
-def _fp8_dense(q, s, out):  # pragma: no cover - compiled: out [J, K] float32 = the FP8 weight (q, s) dequantized
-    for row in prange(q.shape[0]):
+def _fp8_dense(q, s, out, part, parts):  # pragma: no cover - compiled: out [J, K] float32 = the FP8 weight dequantized
+    lo, hi = _share_jit(q.shape[0], part, parts)
+    for row in range(lo, hi):
         _fp8_row(q, s, row, out, row)
 
 
-def _fp4_dense(packed, s, out):  # pragma: no cover - compiled: out [J, K] float32 = the FP4 weight dequantized
-    for row in prange(packed.shape[0]):
+def _fp4_dense(packed, s, out, part, parts):  # pragma: no cover - compiled: out [J, K] = the FP4 weight dequantized
+    lo, hi = _share_jit(packed.shape[0], part, parts)
+    for row in range(lo, hi):
         _fp4_row(packed, s, row, out, row)
 
 
@@ -310,10 +312,11 @@ if numba is not None:
         return fp8_halves
 
 
-def _linear_fp8(x, qs, ss, outs):  # pragma: no cover - compiled
+def _linear_fp8(x, qs, ss, outs, part, parts):  # pragma: no cover - compiled
     # outs[i] = x @ W_i^T for a tuple of FP8 weights (bytes qs[i], scales ss[i]), in chunks of LINEAR_CHUNK rows
     ends = _chunk_ends_jit(qs)
-    for task in prange(ends[len(qs)]):
+    lo, hi = _share_jit(ends[len(qs)], part, parts)
+    for task in range(lo, hi):
         i, j0 = _chunk_of_jit(ends, task)
         q, out = qs[i], outs[i]
         j1 = min(q.shape[0], j0 + LINEAR_CHUNK)
@@ -323,14 +326,15 @@ def _linear_fp8(x, qs, ss, outs):  # pragma: no cover - compiled
 linear_fp8 = Threaded(_linear_fp8, min_work=1 << 18)
 
 
-def _grouped_linear_fp8(x, q, s, out):  # pragma: no cover - compiled
+def _grouped_linear_fp8(x, q, s, out, part, parts):  # pragma: no cover - compiled
     # out [T, G, J] = per group g: x[:, g] [T, K] @ W[g * J : (g + 1) * J]^T for the FP8 weight W [G * J, K]
     n, groups, rows = x.shape[0], x.shape[1], out.shape[2]
-    for g in prange(groups):
-        part = np.empty((n, x.shape[2]), dtype=np.float32)
+    lo, hi = _share_jit(groups, part, parts)
+    for g in range(lo, hi):
+        xg = np.empty((n, x.shape[2]), dtype=np.float32)
         res = np.empty((n, rows), dtype=np.float32)
-        part[:] = x[:, g]
-        _fp8_rows_jit(part, q, s, g * rows, res, n)
+        xg[:] = x[:, g]
+        _fp8_rows_jit(xg, q, s, g * rows, res, n)
         out[:, g] = res
 
 
