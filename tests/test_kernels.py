@@ -595,6 +595,30 @@ def test_threaded_kernels_match_one_thread(monkeypatch):
                 assert abs(x[tok].logprob - y[tok].logprob) < 1e-5
 
 
+def _fails_in_its_second_part(x, part, parts):  # pragma: no cover - compiled (test_a_part_that_fails_...)
+    if part == 1:
+        raise ValueError("part 1 fails")
+    x[part] = 1.0
+
+
+def test_a_part_that_fails_in_a_thread_is_an_error_not_a_silent_hole():
+    # A threaded kernel's part that raises must not leave its outputs unwritten and the call looking done.
+    from leanserve.model.backends.cpu.kernels.base import Threaded
+
+    kernel = Threaded(_fails_in_its_second_part, min_work=1)
+    x = np.zeros(2, dtype=np.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert cpu_kernels.threads() == 2
+        with pytest.raises(RuntimeError, match="_fails_in_its_second_part failed in a thread"):
+            kernel(10, x)
+    finally:
+        torch.set_num_threads(threads)
+    kernel(0, x)  # one thread: part 0 of 1, which does not fail
+    assert x[0] == 1.0
+
+
 def test_quantized_kernels_threaded_match_one_thread():
     # The FP8 linear, grouped linear and FP4 dequantization in threaded parts: each task writes only its own
     # outputs with the same compiled code, so the results are those of one thread, bit for bit.

@@ -145,7 +145,7 @@ def attend_arrays(w: AttentionWeights, q, ring, new_kv, group, table, most: int,
 
 
 def moe_arrays(x: np.ndarray, input_ids: np.ndarray, args: tuple) -> np.ndarray:
-    """The whole MoE as one compiled call: x, out [T, hidden] float32 (experts plain, FP4 or FP8; the shared
+    """The whole MoE (kernels.moe_tokens): x, out [T, hidden] float32 (experts plain, FP4 or FP8; the shared
     expert plain or FP8); `args` its weights as moe_args gives them."""
     out = np.empty_like(x)
     ck.moe_tokens(ck.moe_work(x.shape[0], args), x, input_ids, *args, out)

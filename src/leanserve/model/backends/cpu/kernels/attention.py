@@ -30,17 +30,31 @@ def compress(work, kv, gate, src_rows, dst_rows, kv_ring, gate_ring, write_first
     softmax over gate + ape [r, width], RMS-normalises the entry (times w [dim]), rotates its trailing channels by
     freqs [NW, R/2, 2] and writes it to rows [*, dim] row row_dst. CSA (overlap): the first r slots take channels
     [0, dim) (the previous window's Ca), the last r channels [dim, 2*dim) (this window's Cb). `work`: the windows
-    closing this step (they are spread over the cores, compress_windows)."""
+    closing this step (they are spread over the cores, compress_windows; on one thread the stores are made in the
+    same call)."""
+    store = STORE_FIRST if write_first else STORE_AFTER
+    parts = compress_windows.parts(work)
+    if parts < 2:
+        compress_windows.kernel(kv, gate, src_rows, dst_rows, kv_ring, gate_ring, store, src, src_valid, ape, overlap, w,
+                                eps, freqs, rows, row_dst, 0, 1)  # fmt: skip
+        return
     if write_first:
         _store_rows_jit(kv, gate, src_rows, dst_rows, kv_ring, gate_ring)
-    compress_windows(work, kv, gate, kv_ring, gate_ring, src, src_valid, ape, overlap, w, eps, freqs, rows, row_dst)
+    compress_windows(work, kv, gate, src_rows, dst_rows, kv_ring, gate_ring, NO_STORE, src, src_valid, ape, overlap, w,
+                     eps, freqs, rows, row_dst)  # fmt: skip
     if not write_first:
         _store_rows_jit(kv, gate, src_rows, dst_rows, kv_ring, gate_ring)
 
 
-def _compress_windows(kv, gate, kv_ring, gate_ring, src, src_valid, ape, overlap, w, eps, freqs, rows, row_dst, part,
-                      parts):  # fmt: skip
-    # (compiled) compress's windows (this part's share of them)
+NO_STORE, STORE_FIRST, STORE_AFTER = 0, 1, 2  # (compress_windows' `store`: where it stores this step's rows, if at all)
+
+
+def _compress_windows(kv, gate, src_rows, dst_rows, kv_ring, gate_ring, store, src, src_valid, ape, overlap, w, eps,
+                      freqs, rows, row_dst, part, parts):  # fmt: skip
+    # (compiled) compress's windows (this part's share of them), with this step's rows stored before or after them
+    # when `store` says (one thread: a single call)
+    if store == STORE_FIRST:
+        _store_rows_jit(kv, gate, src_rows, dst_rows, kv_ring, gate_ring)
     ring_rows = kv_ring.shape[0]
     span = src.shape[1]
     ratio = ape.shape[0]
@@ -82,6 +96,8 @@ def _compress_windows(kv, gate, kv_ring, gate_ring, src, src_valid, ape, overlap
             re, im = out[lead + 2 * q], out[lead + 2 * q + 1]
             out[lead + 2 * q] = re * cr - im * ci
             out[lead + 2 * q + 1] = re * ci + im * cr
+    if store == STORE_AFTER:
+        _store_rows_jit(kv, gate, src_rows, dst_rows, kv_ring, gate_ring)
 
 
 # work = windows closing this step

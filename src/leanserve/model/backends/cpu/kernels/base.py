@@ -117,29 +117,38 @@ class Threaded:
 
     def __init__(self, fn, min_work: int) -> None:
         self.kernel, self.min_work = _jit(fn), min_work
-        self._addresses: dict = {}  # argument types' fingerprint -> the kernel's native code for them
+        self._launchers: dict = {}  # argument types' fingerprint -> (the launcher's build, the kernel's address)
 
     def __call__(self, work: int, *args):
-        parts = threads() if work >= self.min_work else 1
+        parts = self.parts(work)
         if parts < 2:
             return self.kernel(*args, 0, 1)
         return self._parallel(args, parts)
 
+    def parts(self, work: int) -> int:
+        """How many parts a call of this size runs in (1: whole, on the calling thread)."""
+        return threads() if work >= self.min_work else 1
+
     def _parallel(self, args: tuple, parts: int) -> None:
-        if not _run_parts(self.address(args), args, parts):
+        launch, address = self.launcher(args)
+        if not launch(address, args, parts):
             raise RuntimeError(f"{self.kernel.py_func.__name__} failed in a thread")
 
-    def address(self, args: tuple) -> int:
-        """The address of the kernel's native code for these arguments' types (compiled, or loaded from the
-        cache, on first use)."""
+    def launcher(self, args: tuple) -> tuple:
+        """(_run_parts' build for these arguments' types, the address of the kernel's native code for them), each
+        compiled or loaded from the cache on first use: a call then skips numba's matching of argument types."""
         key = _fingerprint(args)
-        address = self._addresses.get(key)
-        if address is None:
-            sig = tuple([self.kernel.typeof_pyval(a) for a in args]) + (numba.types.intp, numba.types.intp)
+        found = self._launchers.get(key)
+        if found is None:
+            types = tuple([self.kernel.typeof_pyval(a) for a in args])
+            sig = (*types, numba.types.intp, numba.types.intp)
             self.kernel.compile(sig)
-            result = self.kernel.overloads[sig]
-            address = self._addresses[key] = result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
-        return address
+            kernel = self.kernel.overloads[sig]
+            launch_sig = (numba.types.intp, _run_parts.typeof_pyval(args), numba.types.intp)
+            _run_parts.compile(launch_sig)
+            address = kernel.library.get_pointer_to_function(kernel.fndesc.llvm_func_name)
+            found = self._launchers[key] = (_run_parts.overloads[launch_sig].entry_point, address)
+        return found
 
 
 if numba is not None:

@@ -1,5 +1,5 @@
-"""The whole MoE of a decode-sized batch in one kernel: routing (scores, top-k or hash), each expert's tokens through
-its SwiGLU (its weights read once, as stored), the shared expert."""
+"""The whole MoE of a decode-sized batch in three steps: routing (scores, top-k or hash); each expert's tokens through
+its SwiGLU (its weights read once, as stored) and the shared expert's halves, spread over the cores; their sum."""
 
 from __future__ import annotations
 
