@@ -33,10 +33,9 @@ def compress(work, kv, gate, src_rows, dst_rows, kv_ring, gate_ring, write_first
     closing this step (they are spread over the cores, compress_windows; on one thread the stores are made in the
     same call)."""
     store = STORE_FIRST if write_first else STORE_AFTER
-    parts = compress_windows.parts(work)
-    if parts < 2:
-        compress_windows.kernel(kv, gate, src_rows, dst_rows, kv_ring, gate_ring, store, src, src_valid, ape, overlap, w,
-                                eps, freqs, rows, row_dst, 0, 1)  # fmt: skip
+    if compress_windows.parts(work) < 2:
+        compress_windows.kernel(kv, gate, src_rows, dst_rows, kv_ring, gate_ring, store, src, src_valid, ape, overlap,
+                                w, eps, freqs, rows, row_dst, 0, 1)  # fmt: skip
         return
     if write_first:
         _store_rows_jit(kv, gate, src_rows, dst_rows, kv_ring, gate_ring)

@@ -163,7 +163,8 @@ def _lane_block(n):  # pragma: no cover - compiled: tokens per block of hc_pre (
 _lane_block_jit = _jit(_lane_block)
 
 
-def _hc_pre(streams, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out, part, parts):  # fmt: skip  # pragma: no cover
+def _hc_pre(streams, fn, scale, base, hc_eps, iters, norm_eps, norm_w, x_out, weights_out, part,
+            parts):  # fmt: skip  # pragma: no cover - compiled
     # streams [T, hc, D]; fn [M, hc*D], M = (2+hc)*hc (or hc: hc_head, pre only): the mixes are
     # RMSNorm(flat streams) @ fn^T, computed as (flat streams @ fn^T) * the row's RMS scale (one number per row).
     # weights_out [T, M]: pre | post | comb (see _mhc_lanes); x_out [T, D]: RMSNorm_w(sum_i pre_i * streams_i).

@@ -61,12 +61,13 @@ def _shared_parts(sw1, sw2_s):
 _shared_parts_jit = _inlined(_shared_parts)
 
 
-def _moe_route(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, chunks, token_of, weight_of, counts, tasks):  # fmt: skip
+def _moe_route(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, chunks, token_of, weight_of, counts,
+               tasks):  # fmt: skip
     # (compiled) moe_tokens' routing: the (token, k) pairs bucketed by expert (expert e's are [counts[e],
     # counts[e + 1]) of token_of and their weights weight_of); returns the number of tasks written to `tasks`:
-    # each expert that has tokens (e), and the shared expert's `chunks` parts (num_experts + c), each part ahead of half
-    # the experts, so that equal shares of the tasks are equal work when the experts' loads are even (at batch 1
-    # on two cores: a part and three of the six experts each).
+    # each expert that has tokens (e), and the shared expert's `chunks` parts (num_experts + c), each part ahead
+    # of half the experts, so that equal shares of the tasks are equal work when the experts' loads are even (at
+    # batch 1 on two cores: a part and three of the six experts each).
     n = x.shape[0]
     num_experts = gate_w.shape[0]
     chosen = np.empty((n, top_k), dtype=np.int64)
