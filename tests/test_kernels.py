@@ -260,12 +260,14 @@ def test_kernels_dequantize_as_quant_py():
         assert torch.equal(torch.from_numpy(cpu_kernels.dequantized(numpy_views(w))), w.dequantize())
 
 
+@pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("in_features", [32, 96, 128, 224, 512])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_fp4_few_rows_match_the_dequantized_weight(rows, in_features):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_fp4_few_rows_match_the_dequantized_weight(rows, in_features, bf16):
     # The few-row FP4 reader (decode, verification): whole 128-value chunks and a last chunk of 1-3 groups, every
     # code, scales from 2^-127 (UE8M0 0) to 2^13: each output is x . W dequantized, up to float32 rounding of
-    # its sum.
+    # its sum; with bf16 (Fp4Weight.inputs bfloat16: vdpbf16ps on AVX512-BF16) x rounded to bfloat16 by torch.
+    # Five rows take the decoded blocks through the tiles.
     from leanserve.model.backends.cpu.kernels.quantized import _fp4_rows_jit
     from leanserve.model.quant import Fp4Weight
 
@@ -277,11 +279,36 @@ def test_fp4_few_rows_match_the_dequantized_weight(rows, in_features):
     w = Fp4Weight(packed, scale).dequantize().double()
     x = torch.randn(rows, in_features, generator=gen)
     out = np.empty((rows, 37), dtype=np.float32)
-    _fp4_rows_jit(x.numpy(), packed.numpy(), scale.numpy(), out, rows)
+    _fp4_rows_jit(x.numpy(), packed.numpy(), scale.numpy(), out, rows, bf16)
+    if bf16:  # (the rounding moves a sum by about 1e-3 of its terms' size: far outside the bound)
+        x = x.to(torch.bfloat16).float()
     ref = x.double() @ w.T
     bound = 1e-6 * (x.double().abs() @ w.abs().T) + 1e-44
     assert ((torch.from_numpy(out).double() - ref).abs() <= bound).all()
     assert (torch.from_numpy(out[:, 0]) != 0).all()  # (row 0's values are 2^-127 times the codes)
+
+
+def test_fp4_inputs_round_to_bfloat16_as_torch_does():
+    # The kernels' rounding to bfloat16 (to nearest, ties to even) gives torch's bits for ties either way, the
+    # largest floats (to inf), subnormals, signed zeros, infinities and NaN; and the permuted layout the
+    # AVX512-BF16 dots read puts element 4i + p of each 128-chunk at 32p + i, zeros past the end.
+    from leanserve.model.backends.cpu.kernels.quantized import _bf16_rounded_jit, _fp4_bf16_x_jit
+
+    bits = [0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x3F80_8001, 0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x807FFFFF,
+            0x80000000, 0x00000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF]  # fmt: skip
+    rng = np.random.default_rng(0)
+    raw = np.concatenate([np.array(bits, dtype=np.uint32), rng.integers(0, 2**32, 145, dtype=np.uint32)])
+    x = raw.view(np.float32).reshape(1, 160)
+    want = torch.from_numpy(x.copy()).to(torch.bfloat16)
+    got = _bf16_rounded_jit(x, 1)
+    same = (got.view(np.uint32) >> 16) == want.view(torch.int16).numpy().view(np.uint16)
+    assert (same | (np.isnan(got) & want.isnan().numpy())).all()
+    xb = np.full((1, 256), 7, dtype=np.uint16)
+    _fp4_bf16_x_jit(x, xb, 1)
+    k = np.arange(256)
+    src = 128 * (k // 128) + 4 * (k % 32) + (k % 128) // 32
+    wbits = np.where(np.isnan(got), 0x7FC0, got.view(np.uint32) >> 16)[0]
+    assert (xb[0] == np.where(src < 160, wbits[np.minimum(src, 159)], 0)).all()
 
 
 @pytest.mark.parametrize("big_scale", [False, True])

@@ -59,6 +59,13 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         choices=["auto", "torch", "cpu"],
         help="the model's math: the CPU kernels (cpu) or torch everywhere (torch); auto: the kernels where they run",
     )
+    p.add_argument(
+        "--fp4-inputs",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="what a published checkpoint's FP4 experts multiply: the activations as they are, or rounded to "
+        "bfloat16 (faster with AVX512-BF16; docs/checkpoints.md)",
+    )
 
 
 def _generate_options(p: argparse.ArgumentParser) -> None:
@@ -209,6 +216,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "speculative_config": args.speculative_config,
         "max_model_len": args.max_model_len,
         "backend": args.backend,
+        "fp4_inputs": args.fp4_inputs,
     }
     for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_block_size", "enable_prefix_caching"):
         if getattr(args, name) is not None:

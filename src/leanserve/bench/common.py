@@ -100,8 +100,9 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tens
     return torch.randint(3, vocab, (batch, length), generator=gen)
 
 
-def stage_runner(model_dir: Path, max_seqs: int, max_len: int):
-    """A one-stage runner of a checkpoint as stored (dtype auto), for `max_seqs` sequences of up to `max_len`."""
+def stage_runner(model_dir: Path, max_seqs: int, max_len: int, fp4_inputs: str = "float32"):
+    """A one-stage runner of a checkpoint as stored (dtype auto), for `max_seqs` sequences of up to `max_len`
+    (`fp4_inputs`: EngineConfig's)."""
     from leanserve.engine.config import EngineConfig
     from leanserve.engine.llm_engine import resolve_dtype
     from leanserve.engine.runner import StageRunner
@@ -109,7 +110,10 @@ def stage_runner(model_dir: Path, max_seqs: int, max_len: int):
     from leanserve.model.config import ModelConfig
 
     cfg = ModelConfig.from_hf(model_dir)
-    config = EngineConfig(str(model_dir), max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=max_len)
+    config = EngineConfig(
+        str(model_dir), max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=max_len,
+        fp4_inputs=fp4_inputs,
+    )  # fmt: skip
     dtype = resolve_dtype("auto", str(model_dir))
     return StageRunner(cfg, config, PipelineTopology.build(cfg, 1).layout(0), dtype, max_len, progress=False)
 

@@ -35,6 +35,7 @@ from leanserve.model.config import CSA, HCA, MOE, ModelConfig
 
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v4-flash.json"
 FORMATS = ("bf16", "published")
+BF16_INPUTS = "published, bf16 inputs"  # (--fp4-inputs bfloat16: the published checkpoint's third row)
 SHARD = 2 * 10**9  # bytes per safetensors shard written (safetensors copies a shard in memory as it writes)
 
 
@@ -261,10 +262,13 @@ def formats_bench(
     log=print,
     profile: list | None = None,
     mtp: bool = False,
+    fp4_inputs: str = "float32",
 ) -> tuple[list[FormatRow], list[str]]:
     """(rows, notes): decode tok/s of the published and bf16 checkpoints of bench_config's model at each batch
     size, with the batch-1 bytes per token, GB/s and share of the measured memory bandwidth. `profile`, a list:
-    the published format's batch-1 step kernel by kernel is appended to it (bench/profile.py), after the timings."""
+    the published format's batch-1 step kernel by kernel is appended to it (bench/profile.py), after the timings.
+    `fp4_inputs` bfloat16: the published checkpoint also with its FP4 experts meeting bfloat16 inputs (a third
+    row, timed with the other two, and the one profiled)."""
     root = Path(root)
     cfg = bench_config(layers, experts, vocab_size, mtp)
     flash = ModelConfig.from_json_file(FLASH_CONFIG)
@@ -278,8 +282,17 @@ def formats_bench(
     peaks = [kernel_peak_gflops()]
     medians: dict[tuple[str, int], float] = {}
     runners = {}
-    for group in [FORMATS] if together else [(f,) for f in FORMATS]:  # both loaded, or one after the other
-        runners = {f: stage_runner(dirs[f], max(batch_sizes), max_len) for f in group}
+    formats = FORMATS + ((BF16_INPUTS,) if fp4_inputs != "float32" else ())
+    dirs[BF16_INPUTS] = dirs["published"]
+    if together:
+        together = (
+            available is None or 1.8 * (sum(sizes.values()) + sizes["published"] * (len(formats) - 2)) < available
+        )
+    for group in [formats] if together else [(f,) for f in formats]:  # all loaded, or one after the other
+        runners = {
+            f: stage_runner(dirs[f], max(batch_sizes), max_len, fp4_inputs if f == BF16_INPUTS else "float32")
+            for f in group
+        }
         for batch in batch_sizes:
             decoders = {f: GreedyDecoder(r, batch, prompt_len) for f, r in runners.items()}
             for d in decoders.values():  # warm-up (compiles)
@@ -291,17 +304,18 @@ def formats_bench(
             medians |= {(f, batch): statistics.median(v) for f, v in times.items()}
             bws.append(memory_bandwidth())
             peaks.append(kernel_peak_gflops())
-        if profile is not None and "published" in runners:
-            profile += _profile(runners["published"], prompt_len, rounds)
+        profiled = BF16_INPUTS if BF16_INPUTS in formats else "published"
+        if profile is not None and profiled in runners:
+            profile += _profile(runners[profiled], prompt_len, rounds)
         del runners
     bw = {k: max(b[k] for b in bws) for k in bws[0]}
     peak = max(peaks)
     per_token = {f: token_bytes(cfg, published=f == "published") for f in FORMATS}
     rows = []
     for batch in batch_sizes:
-        for f in ("published", "bf16"):
+        for f in ("published", *formats[2:], "bf16"):
             step = medians[(f, batch)]
-            cost = step_cost(cfg, f == "published", batch)
+            cost = step_cost(cfg, f != "bf16", batch)
             gbs, gflops = cost.mb / step / 1e3, cost.gflop / step
             share, busy = gbs / bw["machine"], gflops / peak
             rows.append(
@@ -330,7 +344,7 @@ def formats_bench(
         f"kernels' float32 peak, best of {5 * len(peaks)} runs of 64 rows through a 4096 x 4096 linear: "
         f"{peak:.1f} GFLOP/s; bytes at batch > 1: the distinct routed experts expected under uniform routing",
         f"checkpoints: {', '.join(f'{f} {sizes[f] / 1e9:.2f} GB' for f in FORMATS)} in {root}; "
-        + ("both loaded, steps interleaved" if together else "loaded one after the other (memory)")
+        + ("all loaded, steps interleaved" if together else "loaded one after the other (memory)")
         + f"; {rounds} steps per format and batch after 2 warm-up, medians; torch threads {torch.get_num_threads()}",
     ]
     return rows, notes
@@ -376,6 +390,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp", action="store_true", help="give the model Flash's MTP layer (for bench spec-cost --model)")
     p.add_argument("--peer", choices=PEERS, default=None, help="also: a peer engine's batch-1 decode (bench/peer.py)")
     p.add_argument("--peer-converter", default=None, help="--peer llama.cpp: its convert_hf_to_gguf.py (or its dir)")
+    p.add_argument(
+        "--fp4-inputs",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="bfloat16: also the published checkpoint with its FP4 experts meeting bfloat16 inputs (a third row, the "
+        "one --profile and --peer run)",
+    )
     add_threads(p)
     add_output(p)
 
@@ -388,9 +409,13 @@ def run(args: argparse.Namespace) -> int:
     converter = peer.require(args.peer_converter) if args.peer else None  # (before any long work)
     rows, notes = formats_bench(
         args.dir, args.batch_sizes, args.layers, args.experts, args.vocab_size, args.rounds, log=log, profile=profile,
-        mtp=args.mtp,
+        mtp=args.mtp, fp4_inputs=args.fp4_inputs,
     )  # fmt: skip
-    peer_rows, peer_notes = peer.peer_bench(args.dir, converter, args.rounds, log=log) if converter else ([], [])
+    peer_rows, peer_notes = (
+        peer.peer_bench(args.dir, converter, args.rounds, log=log, fp4_inputs=args.fp4_inputs)
+        if converter
+        else ([], [])
+    )
     if args.output == "json":
         out = json.loads(rows_json(rows, notes))
         if profile is not None:

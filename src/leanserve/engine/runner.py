@@ -167,7 +167,7 @@ class StageRunner:
         uses_mtp = spec is not None and spec.needs_target_hidden_states() and layout.is_last
         checkpoint = config.model if device != "meta" else None  # (its headers checked before allocating)
         self.model = build_model(
-            cfg, max_model_len, dtype, layout, uses_mtp, device, config.backend, checkpoint=checkpoint
+            cfg, max_model_len, dtype, layout, uses_mtp, device, config.backend, checkpoint, config.fp4_inputs
         )
         if device != "meta":
             load_weights(self.model, config.model, progress=progress)

@@ -40,6 +40,7 @@ class Experts(nn.Module):
         self.limit = cfg.swiglu_limit
         self.w13_entries = 2 * inter * hidden  # (one expert's gate | up, however stored)
         self.quant = cfg.quantization.experts if cfg.quantization is not None else None
+        self.fp4_inputs = torch.float32  # (Fp4Weight.inputs: build_model's fp4_inputs sets it)
         if self.quant is None:
             self.w13 = nn.Parameter(torch.zeros(experts, 2 * inter, hidden))
             self.w2 = nn.Parameter(torch.zeros(experts, hidden, inter))
@@ -59,8 +60,11 @@ class Experts(nn.Module):
         """(w13, w2) as stored: tensors, Fp4Weight or Fp8Experts."""
         if self.quant is None:
             return self.w13, self.w2
-        kind = Fp4Weight if self.quant == "fp4" else Fp8Experts
-        return kind(self.w13, self.w13_scale), kind(self.w2, self.w2_scale)
+        if self.quant == "fp4":
+            return tuple(
+                [Fp4Weight(w, s, self.fp4_inputs) for w, s in ((self.w13, self.w13_scale), (self.w2, self.w2_scale))]
+            )
+        return Fp8Experts(self.w13, self.w13_scale), Fp8Experts(self.w2, self.w2_scale)
 
 
 class SharedExpert(nn.Module):

@@ -54,10 +54,15 @@ class Fp8Weight:
 
 @dataclass(frozen=True)
 class Fp4Weight:
-    """An FP4 e2m1 matrix with a scale per 32 inputs of a row (or a stack of them, leading dims first)."""
+    """An FP4 e2m1 matrix with a scale per 32 inputs of a row (or a stack of them, leading dims first). `inputs`:
+    the precision of what it multiplies. float32 (the default) takes x as it is; bfloat16 takes x rounded to
+    bfloat16 (to nearest, ties to even), where every product of an FP4 value and a bfloat16 is exact in float32
+    and the sums stay float32: what lets a CPU with AVX512-BF16 multiply 32 pairs per instruction
+    (`--fp4-inputs`, docs/checkpoints.md)."""
 
     packed: torch.Tensor  # [..., out, in / 2] uint8
     scale: torch.Tensor  # [..., out, in / 32] uint8
+    inputs: torch.dtype = torch.float32
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -98,6 +103,19 @@ QuantWeight = Fp8Weight | Fp4Weight | Fp8Experts
 
 def is_quantized(w) -> bool:
     return isinstance(w, Fp8Weight | Fp4Weight | Fp8Experts)
+
+
+FP4_INPUTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # Fp4Weight.inputs by name
+
+
+def bf16_inputs(w) -> bool:
+    """Whether weight w multiplies its inputs rounded to bfloat16 (Fp4Weight.inputs)."""
+    return isinstance(w, Fp4Weight) and w.inputs == torch.bfloat16
+
+
+def inputs_for(w, x: torch.Tensor) -> torch.Tensor:
+    """x as weight w multiplies it: rounded to bfloat16 (and back to x's dtype) where bf16_inputs(w)."""
+    return x.to(torch.bfloat16).to(x.dtype) if bf16_inputs(w) else x
 
 
 def dense(w, dtype: torch.dtype) -> torch.Tensor:

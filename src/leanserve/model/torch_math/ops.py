@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from leanserve.model.quant import dense, expert_matrix
+from leanserve.model.quant import dense, expert_matrix, inputs_for
 
 
 def linears(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """x [..., in] @ w[out, in]^T for each of `weights`, in x's dtype (a bfloat16 weight meets float32
     activations on the CPU, see TorchBackend.activation_dtype; a quantized one is dequantized for the call)."""
-    return tuple([F.linear(x, dense(w, x.dtype)) for w in weights])
+    return tuple([F.linear(inputs_for(w, x), dense(w, x.dtype)) for w in weights])
 
 
 def grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:
@@ -31,8 +31,9 @@ def experts(rows, counts, w13, w2, limit: float, grouped_mm=None, matrix=expert_
     """The routed experts' SwiGLU over rows [N, hidden] grouped by expert (counts [E] rows each), w13 [E, 2I,
     hidden] (gate | up), w2 [E, hidden, I] (or quantized) -> [N, hidden]. `grouped_mm` (x, w, ends), if given,
     computes x's rows times their expert's w^T for plain weights; by default each expert in turn, its matrices
-    from `matrix(w, e, dtype)` (a quantized expert dequantized alone): its weights are read once, only its own
-    rows are computed, and autograd takes it (training runs this too)."""
+    from `matrix(w, e, dtype)` (a quantized expert dequantized alone) meeting its inputs as the weight takes them
+    (quant.inputs_for): its weights are read once, only its own rows are computed, and autograd takes it
+    (training runs this too)."""
     ends = torch.cumsum(counts, 0)
     if grouped_mm is not None:
         gate, up = grouped_mm(rows, w13.to(rows.dtype), ends).chunk(2, dim=-1)  # [N, I] each
@@ -40,8 +41,8 @@ def experts(rows, counts, w13, w2, limit: float, grouped_mm=None, matrix=expert_
     outs, start = [], 0
     for e, end in enumerate(ends.tolist()):
         if end > start:
-            gate, up = F.linear(rows[start:end], matrix(w13, e, rows.dtype)).chunk(2, dim=-1)
-            outs.append(F.linear(swiglu(gate, up, limit), matrix(w2, e, rows.dtype)))
+            gate, up = F.linear(inputs_for(w13, rows[start:end]), matrix(w13, e, rows.dtype)).chunk(2, dim=-1)
+            outs.append(F.linear(inputs_for(w2, swiglu(gate, up, limit)), matrix(w2, e, rows.dtype)))
         start = end
     return torch.cat(outs) if outs else rows.new_zeros(0, w2.shape[1])
 

@@ -61,8 +61,24 @@ if numba is not None:
 
         return numba.types.float32(numba.types.int32), codegen
 
+    @numba.extending.intrinsic
+    def _bits_of_f32(typingctx, value):  # a float32's bits as an int32
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return numba.types.int32(numba.types.float32), codegen
+
 else:  # (nothing is compiled without numba)
-    _f32_from_bits = None
+    _f32_from_bits = _bits_of_f32 = None
+
+
+def _bf16_bits(v):  # pragma: no cover - compiled
+    # A float32's bfloat16 bits (0..65535), rounded to nearest, ties to even (torch's .to(torch.bfloat16)); a NaN
+    # is 0x7FC0. (Kept in int64: bits 16-31 of the sum are those of the unsigned 32-bit one.)
+    b = np.int64(_bits_of_f32(np.float32(v)))
+    if (b & 0x7F800000) == 0x7F800000 and (b & 0x7FFFFF) != 0:
+        return np.uint16(0x7FC0)
+    return np.uint16(((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF)
 
 
 def _exp(x):  # pragma: no cover - compiled
@@ -79,6 +95,7 @@ def _exp(x):  # pragma: no cover - compiled
 
 
 _exp_jit = _inlined(_exp) if numba is not None else None
+_bf16_bits_jit = _inlined(_bf16_bits) if numba is not None else None
 
 
 def _copy_row(dst, src):  # pragma: no cover - compiled: dst[:] = src for two 1-D rows, as a plain loop

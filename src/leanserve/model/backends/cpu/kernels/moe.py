@@ -24,14 +24,14 @@ _silu_glu_jit = _jit(_silu_glu)
 
 
 def moe_tokens(work, x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13, w13_s, w2, w2_s, sw1, sw1_s,
-               sw3, sw3_s, sw2, sw2_s, limit, out):  # fmt: skip
+               sw3, sw3_s, sw2, sw2_s, limit, bf16, out):  # fmt: skip
     """The whole MoE for a decode-sized batch: per token, router scores (0 = sqrt(softplus), 1 = sigmoid, 2 =
     softmax) and top-k by score + bias (or the hash table when tid2eid is not empty), weights normalised and times
     route_scale (moe_route); then per expert, its tokens through its SwiGLU (each expert's weights read once), and
     the shared expert over all tokens, spread over the cores (moe_experts); their outputs added (moe_combine).
     x, out [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; sw1/sw3 [I', H]; sw2 [H, I'], each with its scale (stored():
-    EMPTY for plain weights; the experts FP4 or FP8, the shared expert FP8, see _expert_rows / _matrix_rows).
-    `work`: moe_work's multiply-adds."""
+    EMPTY for plain weights; the experts FP4 or FP8, the shared expert FP8, see _expert_rows / _matrix_rows);
+    `bf16`: FP4 experts meet their inputs rounded to bfloat16 (Fp4Weight.inputs). `work`: moe_work's multiply-adds."""
     n, hidden = x.shape
     num_experts, pairs = w13.shape[0], x.shape[0] * top_k
     token_of = np.empty(pairs, dtype=np.int64)
@@ -45,7 +45,7 @@ def moe_tokens(work, x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale,
     ys = np.empty((pairs, hidden), dtype=np.float32)
     shared = np.empty((chunks, n, hidden), dtype=np.float32)
     moe_experts(work, x, counts, tasks[:num_tasks], token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s,
-                sw2, sw2_s, limit, ys, shared)  # fmt: skip
+                sw2, sw2_s, limit, bf16, ys, shared)  # fmt: skip
     moe_combine(token_of, ys, shared, out)
 
 
@@ -144,7 +144,7 @@ moe_route = _jit(_moe_route)
 
 
 def _moe_experts(x, counts, tasks, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s, sw2, sw2_s, limit,
-                 ys, shared_out, part, parts):  # fmt: skip
+                 bf16, ys, shared_out, part, parts):  # fmt: skip
     # (compiled) moe_tokens' tasks (this part's share of them): each writes only its own rows, the routed experts'
     # outputs to ys (one row per (token, k) pair), the shared expert's parts to shared_out[c]
     n, hidden = x.shape
@@ -174,11 +174,11 @@ def _moe_experts(x, counts, tasks, token_of, weight_of, w13, w13_s, w2, w2_s, sw
         for r in range(first, last):
             for k in range(hidden):
                 rows[r, k] = x[token_of[r], k]
-        _expert_rows(rows[first:last], w13, w13_s, e, both[first:last], last - first)
+        _expert_rows(rows[first:last], w13, w13_s, e, both[first:last], last - first, bf16)
         for r in range(first, last):
             for i in range(inter):
                 act[r, i] = _silu_glu_jit(both[r, i], both[r, inter + i], limit) * weight_of[r]
-        _expert_rows(act[first:last], w2, w2_s, e, ys[first:last], last - first)
+        _expert_rows(act[first:last], w2, w2_s, e, ys[first:last], last - first, bf16)
 
 
 # work = multiply-adds (moe_work): on 2 cores the shipped model's experts pay for threads from about 16 tokens, and

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from leanserve.model.backends.cpu.kernels.base import EMPTY, Threaded, _f32_from_bits, _inlined, _jit, _share_jit, numba
+from leanserve.model.backends.cpu.kernels.base import (
+    EMPTY,
+    Threaded,
+    _bf16_bits_jit,
+    _f32_from_bits,
+    _inlined,
+    _jit,
+    _share_jit,
+    numba,
+)
 from leanserve.model.backends.cpu.kernels.linear import (
     LINEAR_CHUNK,
     ROW_BLOCK,
@@ -17,7 +26,16 @@ from leanserve.model.backends.cpu.kernels.linear import (
     _linear_tiles_jit,
     linear,
 )
-from leanserve.model.backends.cpu.kernels.simd import _AVX512, FP4_CHUNK, fp4_permuted_x, fp4_row_dots, fp8_row_dots
+from leanserve.model.backends.cpu.kernels.simd import (
+    _AVX512,
+    _AVX512_BF16,
+    FP4_CHUNK,
+    fp4_bf16_row_dots,
+    fp4_bf16_x,
+    fp4_permuted_x,
+    fp4_row_dots,
+    fp8_row_dots,
+)
 from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts, Fp8Weight
 
 # --- FP8 / FP4 weights, dequantized as they are read (see quant.py) -------------------------------------------
@@ -117,6 +135,19 @@ _FP8_4x1, _FP8_4x2, _FP8_2x3, _FP8_2x4, _FP8_1x1, _FP8_1x2, _FP8_1x3, _FP8_1x4 =
 ]
 _FP4_1x1, _FP4_1x2, _FP4_1x3, _FP4_1x4 = [fp4_row_dots(1, t) for t in (1, 2, 3, 4)]  # (None without AVX-512)
 _fp4_permuted_x_jit = _jit(fp4_permuted_x)
+_FP4B_1, _FP4B_2, _FP4B_3, _FP4B_4 = [fp4_bf16_row_dots(t) for t in (1, 2, 3, 4)]  # (None without AVX512-BF16)
+_fp4_bf16_x_jit = _jit(fp4_bf16_x)
+
+
+def _bf16_rounded(x, n):  # pragma: no cover - compiled: x[:n] rounded to bfloat16 (as float32, a new array)
+    out = np.empty((n, x.shape[1]), dtype=np.float32)
+    for t in range(n):
+        for k in range(x.shape[1]):
+            out[t, k] = _f32_from_bits(np.int32(np.int32(_bf16_bits_jit(x[t, k])) << np.int32(16)))
+    return out
+
+
+_bf16_rounded_jit = _jit(_bf16_rounded)
 
 
 def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
@@ -187,11 +218,26 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
         _linear_tiles_jit(x, buf[:block], out[:, j0 : j0 + block], n)
 
 
-def _fp4_rows(x, packed, s, out, n):  # pragma: no cover - compiled
+def _fp4_rows(x, packed, s, out, n, bf16):  # pragma: no cover - compiled
     # out[:n, :m] = x[:n] @ W[:m]^T for the FP4 weight W: packed [J, K / 2] (element 2i in the low nibble of byte
-    # i), s [J, K / 32] UE8M0 exponents
+    # i), s [J, K / 32] UE8M0 exponents; with `bf16`, x rounded to bfloat16 first (Fp4Weight.inputs)
     m, half = out.shape[1], packed.shape[1]
     step = FP4_GROUP // 2
+    if bf16 and n <= 4 and _AVX512_BF16:  # x rounded and permuted once (fp4_bf16_x), then a row at a time
+        xb = np.empty((n, (2 * half + FP4_CHUNK - 1) // FP4_CHUNK * FP4_CHUNK), dtype=np.uint16)
+        _fp4_bf16_x_jit(x, xb, n)
+        for row in range(m):
+            if n == 1:
+                _FP4B_1(packed, s, row, xb, out, row)
+            elif n == 2:
+                _FP4B_2(packed, s, row, xb, out, row)
+            elif n == 3:
+                _FP4B_3(packed, s, row, xb, out, row)
+            else:
+                _FP4B_4(packed, s, row, xb, out, row)
+        return
+    if bf16:  # (the same products in float32 elsewhere)
+        x = _bf16_rounded_jit(x, n)
     if n <= 4 and _AVX512:  # a few rows: x permuted once (fp4_permuted_x), then a weight row at a time, each
         # decoded chunk meeting every row of x
         xp = np.empty((n, (2 * half + FP4_CHUNK - 1) // FP4_CHUNK * FP4_CHUNK), dtype=np.float32)
@@ -274,9 +320,10 @@ def _matrix_rows(x, w, s, out, n, r0, c0):  # pragma: no cover - compiled throug
     bfloat16 bits; s empty, 1-d) or an FP8 one (w its bytes, s its 2-d scale grid; c0 a multiple of 128)."""
 
 
-def _expert_rows(x, w, s, e, out, n):  # pragma: no cover - compiled through the overload below
-    """out[:n] = x[:n] @ W_e^T for expert e of stacked experts: plain (s empty, 1-d), FP4 (s [E, out, in / 32]) or
-    FP8 (s [E, halves, ...]: each half of the rows with its own scale grid)."""
+def _expert_rows(x, w, s, e, out, n, bf16):  # pragma: no cover - compiled through the overload below
+    """out[:n] = x[:n] @ W_e^T for expert e of stacked experts: plain (s empty, 1-d), FP4 (s [E, out, in / 32]; x
+    rounded to bfloat16 first with `bf16`) or FP8 (s [E, halves, ...]: each half of the rows with its own scale
+    grid)."""
 
 
 if numba is not None:
@@ -297,13 +344,13 @@ if numba is not None:
         return fp8
 
     @numba.extending.overload(_expert_rows)
-    def _expert_rows_typed(x, w, s, e, out, n):
+    def _expert_rows_typed(x, w, s, e, out, n, bf16):
         if s.ndim == 1:
-            return lambda x, w, s, e, out, n: _linear_rows(x, w[e], out, n)
+            return lambda x, w, s, e, out, n, bf16: _linear_rows(x, w[e], out, n)
         if s.ndim == 3:
-            return lambda x, w, s, e, out, n: _fp4_rows_jit(x, w[e], s[e], out, n)
+            return lambda x, w, s, e, out, n, bf16: _fp4_rows_jit(x, w[e], s[e], out, n, bf16)
 
-        def fp8_halves(x, w, s, e, out, n):
+        def fp8_halves(x, w, s, e, out, n, bf16):
             halves = s.shape[1]
             m = w.shape[1] // halves
             for h in range(halves):
