@@ -311,25 +311,29 @@ def test_fp4_inputs_round_to_bfloat16_as_torch_does():
     assert (xb[0] == np.where(src < 160, wbits[np.minimum(src, 159)], 0)).all()
 
 
+@pytest.mark.parametrize("in_features", [330, 2100])
 @pytest.mark.parametrize("big_scale", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale):
+def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features):
     # The few-row FP8 reader from a row that is not a multiple of 4 (its weight rows cross a 128-row scale block),
     # over whole blocks and a partial last one, every e4m3 byte, scales from 2^-127 (UE8M0 0) up, and with
     # big_scale one above 2^7 (the vector loops' rebased scale would not be a float32: the general loop runs):
-    # each output is x . W dequantized, up to float32 rounding of its sum.
-    from leanserve.model.backends.cpu.kernels.quantized import _fp8_rows_jit
+    # each output is x . W dequantized, up to float32 rounding of its sum. Rows of 330 inputs are read one at a
+    # time, of 2100 (more than SHORT_FP8_ROW) two or four at a time.
+    from leanserve.model.backends.cpu.kernels.quantized import SHORT_FP8_ROW, _fp8_rows_jit
     from leanserve.model.quant import Fp8Weight
 
-    gen = torch.Generator().manual_seed(rows + 10 * big_scale)
-    q = torch.randint(0, 256, (300, 330), dtype=torch.uint8, generator=gen)
+    assert 330 <= SHORT_FP8_ROW < 2100
+    gen = torch.Generator().manual_seed(rows + 10 * big_scale + in_features)
+    blocks = -(-in_features // 128)
+    q = torch.randint(0, 256, (300, in_features), dtype=torch.uint8, generator=gen)
     q[(q & 0x7F) == 0x7F] = 0  # (no NaNs)
-    scale = torch.randint(100, 128, (3, 3), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(100, 128, (3, blocks), dtype=torch.uint8, generator=gen)
     scale[0, 1] = 0
     if big_scale:
         scale[1, 2] = 140
     w = Fp8Weight(q.view(torch.float8_e4m3fn), scale).dequantize().double()
-    x = torch.randn(rows, 330, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
     r0, m = 3, 250
     out = np.empty((rows, m), dtype=np.float32)
     _fp8_rows_jit(x.numpy(), q.numpy(), scale.numpy(), r0, out, rows)

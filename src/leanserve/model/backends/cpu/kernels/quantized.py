@@ -150,6 +150,13 @@ def _bf16_rounded(x, n):  # pragma: no cover - compiled: x[:n] rounded to bfloat
 _bf16_rounded_jit = _jit(_bf16_rounded)
 
 
+# FP8 rows of at most this many inputs are read one per call: several adjacent rows of 1-2 KB read in step are
+# as many short streams, which the hardware prefetchers follow badly ([32768 x 1024] from memory on two threads:
+# 26 GB/s a row at a time against 17 four at a time; [16384 x 2048] 33 against 21; equal at 4096 inputs, and at
+# 8192 four at a time is faster, 26 against 19). Each entry's arithmetic is the same either way.
+SHORT_FP8_ROW = 2048
+
+
 def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
     # out[:n, :m] = x[:n] @ W[r0 : r0 + m]^T, m = out.shape[1], for the FP8 weight W: q [J, K] (e4m3 bytes),
     # s [ceil(J / 128), ceil(K / 128)] UE8M0 exponents
@@ -163,10 +170,10 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
                     vector = vector and s[sr, kb] <= RAW_SCALE_MAX
         j = 0
         if vector:  # (weight rows at a time, within one 128-row scale block, share the loads of x; rows of x
-            # each decoded weight vector)
-            wide = 4 if n <= 2 else 2  # (weight rows per call at n rows of x)
+            # each decoded weight vector; short rows one at a time, SHORT_FP8_ROW)
+            wide = (4 if n <= 2 else 2) if k_dim > SHORT_FP8_ROW else 1  # (weight rows per call at n rows of x)
             while j < m:
-                if min(m - j, FP8_BLOCK - (r0 + j) % FP8_BLOCK) >= wide:  # (rows left in this scale block)
+                if wide > 1 and min(m - j, FP8_BLOCK - (r0 + j) % FP8_BLOCK) >= wide:  # (rows left in its block)
                     if n == 1:
                         _FP8_4x1(q, s, r0 + j, x, full, out, j)
                     elif n == 2:
