@@ -1,6 +1,7 @@
 """Kernels written in LLVM IR: the linear tiles and weighted rows, whose entries get the same float32 operations
 in every shape (batch invariance), and row dot products for weights read as stored at batch 1: FP8 rows as
-16-byte vectors, FP4 rows on AVX-512 by a 16-entry table lookup (`vpermps`)."""
+16-byte vectors, FP4 rows on AVX-512 by a 16-entry table lookup (`vpermps`), and FP4 rows against bfloat16 inputs
+on AVX512-BF16 (`vpermw` lookups of bfloat16 values into `vdpbf16ps`)."""
 
 from __future__ import annotations
 
