@@ -76,9 +76,8 @@ def _bf16_bits(v):  # pragma: no cover - compiled
     # A float32's bfloat16 bits (0..65535), rounded to nearest, ties to even (torch's .to(torch.bfloat16)); a NaN
     # is 0x7FC0. (Kept in int64: bits 16-31 of the sum are those of the unsigned 32-bit one.)
     b = np.int64(_bits_of_f32(np.float32(v)))
-    if (b & 0x7F800000) == 0x7F800000 and (b & 0x7FFFFF) != 0:
-        return np.uint16(0x7FC0)
-    return np.uint16(((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF)
+    rounded = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+    return np.uint16(0x7FC0 if (b & 0x7FFFFFFF) > 0x7F800000 else rounded)  # (a select, no branch)
 
 
 def _exp(x):  # pragma: no cover - compiled

@@ -26,7 +26,7 @@ from leanserve.model.backends.cpu.kernels.linear import (
     _linear_tiles_jit,
     linear,
 )
-from leanserve.model.backends.cpu.kernels.simd import (
+from leanserve.model.backends.cpu.kernels.rowdots import (
     _AVX512,
     _AVX512_BF16,
     FP4_CHUNK,
@@ -45,7 +45,7 @@ from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts, F
 # FP8 values meet x times their block's scale (exact: a power of two), FP4 groups' sums are times their scale;
 # a different float32 summation order. The decoders are integer arithmetic (they vectorise): an e4m3 byte's bits
 # shifted into a float32's, the rebase folded into the block's scale (_e4m3_raw); FP4 codes by their exponent and
-# mantissa bits, or a table lookup on AVX-512 (simd.fp4_row_dots).
+# mantissa bits, or a table lookup on AVX-512 (rowdots.fp4_row_dots).
 # The e4m3fn NaN bytes (0x7F, 0xFF) are not decoded as NaN (the quantizers never write them).
 
 

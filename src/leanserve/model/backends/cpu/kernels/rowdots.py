@@ -1,0 +1,423 @@
+"""Row dot products for weights read as stored at one to four rows of x (decode, verification), written in LLVM
+IR: FP8 rows as 16-byte vectors; FP4 rows on AVX-512 by a 16-entry table lookup (`vpermps`); FP4 rows against
+bfloat16 inputs on AVX512-BF16 (`vpermw` lookups of bfloat16 values into `vdpbf16ps`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from leanserve.model.backends.cpu.kernels.base import _bf16_bits_jit, numba
+from leanserve.model.backends.cpu.kernels.simd import _lanes_sum, _splat
+from leanserve.model.quant import FP4_VALUES, FP8_BLOCK
+
+if numba is not None:
+    from llvmlite import ir
+
+
+# Bytes ahead of each weight load that the row dots ask the caches for (llvm.prefetch). A call reads a few rows of
+# 1-2 KB at short row lengths (FP8 [1024 -> ...], FP4 experts): every call starts a new 4 KB page, where the
+# hardware's stream prefetchers stop and start again, so without this the loads wait on memory.
+PREFETCH_AHEAD = 4096
+
+
+def _prefetch(builder, ptr, ahead=PREFETCH_AHEAD):
+    """Ask for the cache line `ahead` bytes after ptr (a hint: no fault past an array's end)."""
+    from numba.core import cgutils
+
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
+    )
+    at = builder.gep(builder.bitcast(ptr, i8p), [ir.Constant(ir.IntType(64), ahead)])
+    builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
+def _store_sums(context, builder, o_t, oa, j, accs):
+    """The row dots' last step: out[t, j + r] = the lanes sum (_lanes_sum) of the <16 x float> accumulator
+    accs[(r, t)] (a pointer), for every (weight row r, row of x t)."""
+    from numba.core import cgutils
+
+    intp = context.get_value_type(numba.types.intp)
+    for r, t in accs:
+        col = builder.add(j, ir.Constant(intp, r))
+        op = cgutils.get_item_pointer(context, builder, o_t, oa, [ir.Constant(intp, t), col], wraparound=False)
+        builder.store(_lanes_sum(builder, builder.load(accs[(r, t)])), op)
+
+
+_FP8_DOTS: dict = {}
+
+
+def fp8_row_dots(rows: int, xrows: int = 1):
+    """The intrinsic `dots(q, s, row0, x, full, out, j)`: out[t, j + r] = the float32 sum over the first `full`
+    128-blocks of row row0 + r of the FP8 weight (q bytes, s UE8M0 grid) times x[t], for r < rows and t < xrows;
+    q's and x's last dimensions contiguous, the rows in one 128-row scale block, its scales at most RAW_SCALE_MAX.
+    In vector registers: per block, x's 8 vectors of 16 times the block's scale times 2^120 (one exact power of
+    two, shared by the rows), each row's 8 vectors of 16 bytes decoded as _e4m3_raw (a sign-extended byte shifted
+    and masked) and multiplied into two running sums per lane over the whole row (no per-block step); the lanes
+    summed at the end. The rows share each block's loads of x, the rows of x each decoded weight vector; each
+    entry's arithmetic is the same for any `rows` and `xrows`."""
+    if (rows, xrows) not in _FP8_DOTS and numba is not None:
+        _FP8_DOTS[(rows, xrows)] = _make_fp8_dots(rows, xrows)
+    return _FP8_DOTS.get((rows, xrows))
+
+
+def _make_fp8_dots(rows: int, xrows: int):
+    @numba.extending.intrinsic
+    def dots(typingctx, q, s, row0, x, full, out, j):
+        from numba.core import cgutils
+
+        def codegen(context, builder, signature, args):
+            q_t, s_t, _, x_t, _, o_t, _ = signature.args
+            qa = context.make_array(q_t)(context, builder, args[0])
+            sa = context.make_array(s_t)(context, builder, args[1])
+            xa = context.make_array(x_t)(context, builder, args[3])
+            oa = context.make_array(o_t)(context, builder, args[5])
+            row0_, full_, j_ = args[2], args[4], args[6]
+            f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
+            v16f, v16i, v16b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
+            intp = context.get_value_type(numba.types.intp)
+            fast = ("contract",)
+            row = [builder.add(row0_, ir.Constant(intp, r)) for r in range(rows)]
+            srow = builder.udiv(row0_, ir.Constant(intp, FP8_BLOCK))  # (every row's: the caller keeps them in one)
+            pairs = [(r, t) for r in range(rows) for t in range(xrows)]
+            chains = {
+                (p, c): cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+                for p in pairs
+                for c in range(2)
+            }
+
+            with cgutils.for_range(builder, full_) as loop:
+                base = builder.mul(loop.index, ir.Constant(intp, FP8_BLOCK))
+                sp = cgutils.get_item_pointer(context, builder, s_t, sa, [srow, loop.index], wraparound=False)
+                e = builder.zext(builder.load(sp), i32)  # UE8M0 e <= RAW_SCALE_MAX: 2^(e - 127) * 2^120, exactly
+                scale = _splat(
+                    builder,
+                    builder.bitcast(builder.shl(builder.add(e, ir.Constant(i32, 120)), ir.Constant(i32, 23)), f32),
+                )
+                accs = {p: [builder.load(chains[(p, 0)]), builder.load(chains[(p, 1)])] for p in pairs}
+                for v in range(FP8_BLOCK // 16):
+                    k = builder.add(base, ir.Constant(intp, 16 * v))
+                    xvs = []
+                    for t in range(xrows):  # x times the block's scale (a power of two), shared by the rows
+                        xp = cgutils.get_item_pointer(
+                            context, builder, x_t, xa, [ir.Constant(intp, t), k], wraparound=False
+                        )
+                        xvs.append(builder.fmul(builder.load(builder.bitcast(xp, v16f.as_pointer()), align=4), scale))
+                    for r in range(rows):
+                        qp = cgutils.get_item_pointer(context, builder, q_t, qa, [row[r], k], wraparound=False)
+                        if v % 4 == 0:  # (once per 64-byte line)
+                            _prefetch(builder, qp)
+                        b = builder.sext(builder.load(builder.bitcast(qp, v16b.as_pointer()), align=1), v16i)
+                        bits = builder.and_(
+                            builder.shl(b, ir.Constant(v16i, [20] * 16)), ir.Constant(v16i, [0x87F00000 - 2**32] * 16)
+                        )
+                        wv = builder.bitcast(bits, v16f)
+                        for t in range(xrows):
+                            prod = builder.fmul(wv, xvs[t], flags=fast)
+                            accs[(r, t)][v % 2] = builder.fadd(accs[(r, t)][v % 2], prod, flags=fast)
+                for p in pairs:
+                    for c in range(2):
+                        builder.store(accs[p][c], chains[(p, c)])
+            totals = {p: chains[(p, 0)] for p in pairs}  # (the two chains' sum, into the first)
+            for p in pairs:
+                builder.store(
+                    builder.fadd(builder.load(chains[(p, 0)]), builder.load(chains[(p, 1)]), flags=fast), totals[p]
+                )
+            _store_sums(context, builder, o_t, oa, j_, totals)
+            return context.get_dummy_value()
+
+        return numba.types.void(q, s, row0, x, full, out, j), codegen
+
+    return dots
+
+
+# FP4 at one to four rows, on AVX-512: each weight row's dot products in vector registers (LLVM IR below), the
+# codes decoded by a 16-entry table lookup (vpermps, which reads only an index's low 4 bits). The row is read in
+# chunks of 64 bytes, 128 values, loaded as 16 dwords straight from memory: dword i holds values 8i .. 8i + 7,
+# one per nibble, so nibble p of every dword is one shift (p * 4 bits) and one lookup away from 16 values, with no
+# byte shuffles; x comes permuted to match once per call (fp4_permuted_x: its element 8i + p of a chunk at 16p + i).
+# Lane i of a chunk holds values of group i // 4 only (32 values, one scale): its 8 products (two chains) times
+# its group's scale are added to the lane's running sum; the lanes are summed at the end. A last chunk of 1-3
+# groups is read with masked loads (missing codes read as 0, x padded with zeros). Without AVX-512 the loop in
+# _fp4_rows does the same math in an order of its own.
+_AVX512 = _AVX512_BF16 = False
+if numba is not None:
+    import llvmlite.binding as _llvm
+
+    _features = _llvm.get_host_cpu_features()
+    _AVX512 = bool(_features.get("avx512f", False))
+    _AVX512_BF16 = _AVX512 and bool(_features.get("avx512bf16", False))
+
+FP4_CHUNK = 128  # values per chunk of the AVX-512 row dots: 64 bytes, 4 groups
+
+
+def fp4_permuted_x(x, xp, n):  # pragma: no cover - compiled (jitted in quantized.py)
+    """xp[t, 128c + 16p + i] = x[t, 128c + 8i + p] (0 past x's end) for t < n: x in fp4_row_dots' order."""
+    k_dim, width = x.shape[1], xp.shape[1]
+    for t in range(n):
+        for c0 in range(0, width, FP4_CHUNK):
+            for p in range(8):
+                for i in range(16):
+                    k = c0 + 8 * i + p
+                    xp[t, c0 + 16 * p + i] = x[t, k] if k < k_dim else 0.0
+
+
+_FP4_DOTS: dict = {}
+
+
+def fp4_row_dots(rows: int, xrows: int = 1):
+    """The intrinsic `dots(packed, s, row0, xp, out, j)` on AVX-512: out[t, j + r] = sum_k W[row0 + r, k] *
+    x[t, k] for r < rows and t < xrows, W FP4 (packed [J, K / 2] uint8 with K a multiple of 32, s [J, K / 32]
+    UE8M0; last dimensions contiguous), x as fp4_permuted_x writes it (xp [xrows, >= K rounded up to 128]); the
+    rows share the loads of x, the rows of x each decoded chunk; each entry's arithmetic the same for any `rows`
+    and `xrows`."""
+    if (rows, xrows) not in _FP4_DOTS and _AVX512:
+        _FP4_DOTS[(rows, xrows)] = _make_fp4_dots(rows, xrows)
+    return _FP4_DOTS.get((rows, xrows))
+
+
+def _make_fp4_dots(rows: int, xrows: int):
+    @numba.extending.intrinsic
+    def dots(typingctx, packed, s, row0, xp, out, j):
+        from numba.core import cgutils
+
+        def codegen(context, builder, signature, args):
+            pk_t, s_t, _, xp_t, o_t, _ = signature.args
+            pk = context.make_array(pk_t)(context, builder, args[0])
+            sc = context.make_array(s_t)(context, builder, args[1])
+            xa = context.make_array(xp_t)(context, builder, args[3])
+            oa = context.make_array(o_t)(context, builder, args[4])
+            row0_, j_ = args[2], args[5]
+            f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
+            v16f, v16i, v4b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 4)
+            intp = context.get_value_type(numba.types.intp)
+            fast = ("contract",)
+            zeros = ir.Constant(v16f, [0.0] * 16)
+            lut = ir.Constant(v16f, list(FP4_VALUES))
+            fnty = ir.FunctionType
+            perm = cgutils.get_or_insert_function(
+                builder.module, fnty(v16f, [v16f, v16i]), "llvm.x86.avx512.permvar.sf.512"
+            )
+            groups = builder.extract_value(sc.shape, 1)
+            full = builder.udiv(groups, ir.Constant(intp, 4))
+            left = builder.trunc(builder.sub(groups, builder.mul(full, ir.Constant(intp, 4))), i32)
+            row = [builder.add(row0_, ir.Constant(intp, r)) for r in range(rows)]
+            pairs = [(r, t) for r in range(rows) for t in range(xrows)]
+            totals = {q: cgutils.alloca_once_value(builder, zeros) for q in pairs}
+
+            lanes16, lanes4 = _tail_lanes(builder, left, 16)  # (4 dwords, 16 bytes of codes, per group)
+
+            def chunk(c, tail):  # chunk c of every row; `tail`: the last one, of `left` groups
+                xv = {}
+                for t in range(xrows):
+                    for p in range(8):
+                        k = builder.add(builder.mul(c, ir.Constant(intp, FP4_CHUNK)), ir.Constant(intp, 16 * p))
+                        ptr = cgutils.get_item_pointer(
+                            context, builder, xp_t, xa, [ir.Constant(intp, t), k], wraparound=False
+                        )
+                        xv[(t, p)] = builder.load(builder.bitcast(ptr, v16f.as_pointer()), align=4)
+                for r in range(rows):
+                    bp = cgutils.get_item_pointer(
+                        context, builder, pk_t, pk, [row[r], builder.mul(c, ir.Constant(intp, 64))], wraparound=False
+                    )
+                    sp = cgutils.get_item_pointer(
+                        context, builder, s_t, sc, [row[r], builder.mul(c, ir.Constant(intp, 4))], wraparound=False
+                    )
+                    if tail:
+                        codes = _masked_load(builder, bp, v16i, lanes16)
+                        e4 = _masked_load(builder, sp, v4b, lanes4)
+                    else:
+                        _prefetch(builder, bp)
+                        codes = builder.load(builder.bitcast(bp, v16i.as_pointer()), align=1)
+                        e4 = builder.load(builder.bitcast(sp, v4b.as_pointer()), align=1)
+                    sv = _group_scales(builder, e4)
+                    accs = {t: [None, None] for t in range(xrows)}
+                    for p in range(8):
+                        idx = codes if p == 0 else builder.lshr(codes, ir.Constant(v16i, [4 * p] * 16))
+                        vals = builder.call(perm, [lut, idx])
+                        for t in range(xrows):
+                            prod = builder.fmul(vals, xv[(t, p)], flags=fast)
+                            a = accs[t][p % 2]
+                            accs[t][p % 2] = prod if a is None else builder.fadd(a, prod, flags=fast)
+                    for t in range(xrows):
+                        part = builder.fadd(accs[t][0], accs[t][1], flags=fast)
+                        total = totals[(r, t)]
+                        builder.store(
+                            builder.fadd(builder.load(total), builder.fmul(part, sv, flags=fast), flags=fast), total
+                        )
+
+            with cgutils.for_range(builder, full) as loop:
+                chunk(loop.index, False)
+            with builder.if_then(builder.icmp_unsigned("!=", left, ir.Constant(i32, 0))):
+                chunk(full, True)
+            _store_sums(context, builder, o_t, oa, j_, totals)
+            return context.get_dummy_value()
+
+        return numba.types.void(packed, s, row0, xp, out, j), codegen
+
+    return dots
+
+
+# FP4 rows meeting x rounded to bfloat16 (Fp4Weight.inputs, on AVX512-BF16): a chunk of 64 bytes read as 32 words,
+# word i holding values 4i .. 4i + 3, one per nibble; nibble p of every word is one shift and one 32-entry lookup
+# of bfloat16 bits (vpermw, which reads an index's low 5 bits: the table holds the 16 values twice) away from 32
+# values, which meet x's bfloat16 in `vdpbf16ps`: lane l of the float32 sum gets the products of words 2l and
+# 2l + 1, values 8l + p and 8l + 4 + p, of group l // 4 as in fp4_row_dots. Each product of two bfloat16 numbers
+# is exact in float32; the instruction adds them in float32 (subnormal bfloat16 inputs and float32 results read
+# as 0). x comes rounded and permuted once per call (fp4_bf16_x: its element 4i + p of a chunk at 32p + i).
+def fp4_bf16_x(x, xb, n):  # pragma: no cover - compiled (jitted in quantized.py)
+    """xb[t, 128c + 32p + i] = bfloat16 bits of x[t, 128c + 4i + p] (0 past x's end) for t < n."""
+    k_dim, width = x.shape[1], xb.shape[1]
+    for t in range(n):
+        for c0 in range(0, width, FP4_CHUNK):
+            for p in range(4):
+                for i in range(32):
+                    k = c0 + 4 * i + p
+                    xb[t, c0 + 32 * p + i] = _bf16_bits_jit(x[t, k]) if k < k_dim else 0
+
+
+class _BFloat(ir.types.Type if numba is not None else object):
+    """LLVM's bfloat, which llvmlite's IR builder does not name (vdpbf16ps' intrinsic takes <32 x bfloat>)."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+_FP4_BF16_DOTS: dict = {}
+
+
+def fp4_bf16_row_dots(xrows: int = 1):
+    """The intrinsic `dots(packed, s, row0, xb, out, j)` on AVX512-BF16: out[t, j] = sum_k W[row0, k] *
+    bf16(x[t, k]) for t < xrows, W FP4 as for fp4_row_dots, xb as fp4_bf16_x writes it (uint16 [xrows, >= K
+    rounded up to 128]); the rows of x share each decoded chunk."""
+    if xrows not in _FP4_BF16_DOTS and _AVX512_BF16:
+        _FP4_BF16_DOTS[xrows] = _make_fp4_bf16_dots(xrows)
+    return _FP4_BF16_DOTS.get(xrows)
+
+
+def _make_fp4_bf16_dots(xrows: int):
+    @numba.extending.intrinsic
+    def dots(typingctx, packed, s, row0, xb, out, j):
+        from numba.core import cgutils
+
+        def codegen(context, builder, signature, args):
+            pk_t, s_t, _, xb_t, o_t, _ = signature.args
+            pk = context.make_array(pk_t)(context, builder, args[0])
+            sc = context.make_array(s_t)(context, builder, args[1])
+            xa = context.make_array(xb_t)(context, builder, args[3])
+            oa = context.make_array(o_t)(context, builder, args[4])
+            row, j_ = args[2], args[5]
+            f32, i16, i8 = ir.FloatType(), ir.IntType(16), ir.IntType(8)
+            v16f, v32h, v4b, v32bf = (ir.VectorType(t, n) for t, n in ((f32, 16), (i16, 32), (i8, 4), (_BFloat(), 32)))
+            intp = context.get_value_type(numba.types.intp)
+            fast = ("contract",)
+            zeros = ir.Constant(v16f, [0.0] * 16)
+            lut = ir.Constant(v32h, [_bf16_of(v) for v in FP4_VALUES * 2])
+            fnty = ir.FunctionType
+            perm = cgutils.get_or_insert_function(
+                builder.module, fnty(v32h, [v32h, v32h]), "llvm.x86.avx512.permvar.hi.512"
+            )
+            dp = cgutils.get_or_insert_function(
+                builder.module, fnty(v16f, [v16f, v32bf, v32bf]), "llvm.x86.avx512bf16.dpbf16ps.512"
+            )
+            groups = builder.extract_value(sc.shape, 1)
+            full = builder.udiv(groups, ir.Constant(intp, 4))
+            left = builder.trunc(builder.sub(groups, builder.mul(full, ir.Constant(intp, 4))), ir.IntType(32))
+            totals = {(0, t): cgutils.alloca_once_value(builder, zeros) for t in range(xrows)}
+            lanes32, lanes4 = _tail_lanes(builder, left, 32)  # (8 words, 16 bytes of codes, per group)
+
+            def chunk(c, tail):  # chunk c of the row; `tail`: the last one, of `left` groups
+                bp = cgutils.get_item_pointer(
+                    context, builder, pk_t, pk, [row, builder.mul(c, ir.Constant(intp, 64))], wraparound=False
+                )
+                sp = cgutils.get_item_pointer(
+                    context, builder, s_t, sc, [row, builder.mul(c, ir.Constant(intp, 4))], wraparound=False
+                )
+                if tail:
+                    codes = _masked_load(builder, bp, v32h, lanes32)
+                    e4 = _masked_load(builder, sp, v4b, lanes4)
+                else:
+                    _prefetch(builder, bp)
+                    codes = builder.load(builder.bitcast(bp, v32h.as_pointer()), align=1)
+                    e4 = builder.load(builder.bitcast(sp, v4b.as_pointer()), align=1)
+                sv = _group_scales(builder, e4)
+                parts = [zeros] * xrows
+                for p in range(4):
+                    idx = codes if p == 0 else builder.lshr(codes, ir.Constant(v32h, [4 * p] * 32))
+                    vals = builder.bitcast(builder.call(perm, [lut, idx]), v32bf)
+                    k = builder.add(builder.mul(c, ir.Constant(intp, FP4_CHUNK)), ir.Constant(intp, 32 * p))
+                    for t in range(xrows):
+                        xp = cgutils.get_item_pointer(
+                            context, builder, xb_t, xa, [ir.Constant(intp, t), k], wraparound=False
+                        )
+                        xv = builder.load(builder.bitcast(xp, v32bf.as_pointer()), align=2)
+                        parts[t] = builder.call(dp, [parts[t], vals, xv])
+                for t in range(xrows):
+                    total = totals[(0, t)]
+                    builder.store(
+                        builder.fadd(builder.load(total), builder.fmul(parts[t], sv, flags=fast), flags=fast), total
+                    )
+
+            with cgutils.for_range(builder, full) as loop:
+                chunk(loop.index, False)
+            with builder.if_then(builder.icmp_unsigned("!=", left, ir.Constant(ir.IntType(32), 0))):
+                chunk(full, True)
+            _store_sums(context, builder, o_t, oa, j_, totals)
+            return context.get_dummy_value()
+
+        return numba.types.void(packed, s, row0, xb, out, j), codegen
+
+    return dots
+
+
+def _bf16_of(v: float) -> int:
+    """A float's bfloat16 bits (exact for the FP4 values)."""
+    return int(np.array([v], dtype=np.float32).view(np.uint32)[0]) >> 16
+
+
+def _masked_load(builder, ptr, vt, lanes):
+    """The lanes of a vector of type vt at ptr where the <n x i1> `lanes` holds, 0 elsewhere (llvm.masked.load)."""
+    from numba.core import cgutils
+
+    i1, i32 = ir.IntType(1), ir.IntType(32)
+    name = f"llvm.masked.load.v{vt.count}i{vt.element.width}.p0"
+    load = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vt, [vt.as_pointer(), i32, ir.VectorType(i1, vt.count), vt]), name
+    )
+    return builder.call(
+        load, [builder.bitcast(ptr, vt.as_pointer()), ir.Constant(i32, 1), lanes, ir.Constant(vt, [0] * vt.count)]
+    )
+
+
+def _tail_lanes(builder, left, count):
+    """A last FP4 chunk of `left` (an i32, 1-3) groups: the lanes of its <count x ...> codes vector (count / 4 a
+    group) and of its 4 scale bytes that hold them."""
+    i32 = ir.IntType(32)
+    vc, v4i = ir.VectorType(i32, count), ir.VectorType(i32, 4)
+    per = ir.Constant(vc, [count // 4] * count)
+    codes = builder.icmp_unsigned(
+        "<", ir.Constant(vc, list(range(count))), builder.mul(_splat(builder, left, count), per)
+    )
+    return codes, builder.icmp_unsigned("<", ir.Constant(v4i, [0, 1, 2, 3]), _splat(builder, left, 4))
+
+
+def _group_scales(builder, e4):
+    """A chunk's 4 UE8M0 scale bytes (<4 x i8>) as the <16 x float> of lane i's group's scale (i // 4): 2^(e -
+    127), e = 0 -> 2^-127."""
+    i32 = ir.IntType(32)
+    v16i, v4i = ir.VectorType(i32, 16), ir.VectorType(i32, 4)
+    e = builder.shuffle_vector(
+        builder.zext(e4, v4i), ir.Constant(v4i, ir.Undefined), ir.Constant(v16i, [i // 4 for i in range(16)])
+    )
+    bits = builder.select(
+        builder.icmp_unsigned("==", e, ir.Constant(v16i, [0] * 16)),
+        ir.Constant(v16i, [1 << 22] * 16),
+        builder.shl(e, ir.Constant(v16i, [23] * 16)),
+    )
+    return builder.bitcast(bits, ir.VectorType(ir.FloatType(), 16))
