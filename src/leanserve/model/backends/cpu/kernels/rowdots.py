@@ -183,11 +183,7 @@ def _make_fp4_dots(rows: int, xrows: int):
 
         def codegen(context, builder, signature, args):
             pk_t, s_t, _, xp_t, o_t, _ = signature.args
-            pk = context.make_array(pk_t)(context, builder, args[0])
-            sc = context.make_array(s_t)(context, builder, args[1])
-            xa = context.make_array(xp_t)(context, builder, args[3])
-            oa = context.make_array(o_t)(context, builder, args[4])
-            row0_, j_ = args[2], args[5]
+            pk, sc, xa, oa, row0_, j_ = _fp4_operands(context, builder, signature, args)
             f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
             v16f, v16i, v4b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 4)
             intp = context.get_value_type(numba.types.intp)
@@ -308,11 +304,7 @@ def _make_fp4_bf16_dots(xrows: int):
 
         def codegen(context, builder, signature, args):
             pk_t, s_t, _, xb_t, o_t, _ = signature.args
-            pk = context.make_array(pk_t)(context, builder, args[0])
-            sc = context.make_array(s_t)(context, builder, args[1])
-            xa = context.make_array(xb_t)(context, builder, args[3])
-            oa = context.make_array(o_t)(context, builder, args[4])
-            row, j_ = args[2], args[5]
+            pk, sc, xa, oa, row, j_ = _fp4_operands(context, builder, signature, args)
             f32, i16, i8 = ir.FloatType(), ir.IntType(16), ir.IntType(8)
             v16f, v32h, v4b, v32bf = (ir.VectorType(t, n) for t, n in ((f32, 16), (i16, 32), (i8, 4), (_BFloat(), 32)))
             intp = context.get_value_type(numba.types.intp)
@@ -379,6 +371,13 @@ def _make_fp4_bf16_dots(xrows: int):
 def _bf16_of(v: float) -> int:
     """A float's bfloat16 bits (exact for the FP4 values)."""
     return int(np.array([v], dtype=np.float32).view(np.uint32)[0]) >> 16
+
+
+def _fp4_operands(context, builder, signature, args):
+    """An FP4 dots intrinsic's call `dots(packed, s, row0, x, out, j)` as (packed, s, x, out) numba arrays, row0
+    and j."""
+    arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 3, 4)]
+    return (*arrays, args[2], args[5])
 
 
 def _masked_load(builder, ptr, vt, lanes):
