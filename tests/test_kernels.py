@@ -1,6 +1,7 @@
 """The CPU backend (the numba kernels) agrees with the torch backend, op by op and on whole engines, and the
 engine takes the CPU backend's decode path where it should."""
 
+import os
 import platform
 
 import numpy as np
@@ -286,6 +287,56 @@ def test_fp4_few_rows_match_the_dequantized_weight(rows, in_features, bf16):
     bound = 1e-6 * (x.double().abs() @ w.abs().T) + 1e-44
     assert ((torch.from_numpy(out).double() - ref).abs() <= bound).all()
     assert (torch.from_numpy(out[:, 0]) != 0).all()  # (row 0's values are 2^-127 times the codes)
+
+
+_WITHOUT = """
+import sys
+import llvmlite.binding as llb
+
+host = llb.get_host_cpu_features
+
+
+def features():  # this host's, less the ISA extensions named
+    f = host()
+    for name in list(f):
+        if name in sys.argv[1:] or ("avx512" in sys.argv[1:] and name.startswith("avx512")):
+            f[name] = False
+    return f
+
+
+llb.get_host_cpu_features = features
+import numpy as np
+import torch
+
+from leanserve.model.backends.cpu.kernels import quantized
+from leanserve.model.quant import quantize_fp4
+
+assert quantized._FP4B_1 is None and (quantized._FP4_1x1 is None) == ("avx512" in sys.argv[1:])
+w = quantize_fp4(torch.randn(40, 224) * 0.02)
+for bf16 in (False, True):
+    for n in (1, 2, 5):
+        x = torch.randn(n, 224)
+        out = np.empty((n, 40), dtype=np.float32)
+        quantized._fp4_rows_jit(x.numpy(), w.packed.numpy(), w.scale.numpy(), out, n, bf16)
+        xr = x.to(torch.bfloat16).float() if bf16 else x
+        ref = xr.double() @ w.dequantize().double().T
+        bound = 1e-6 * (xr.double().abs() @ w.dequantize().double().abs().T)
+        assert ((torch.from_numpy(out).double() - ref).abs() <= bound).all(), (bf16, n)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("without", [["avx512bf16"], ["avx512"]])
+def test_fp4_readers_compile_and_agree_on_hosts_without_avx512_bf16_or_avx512(without, tmp_path):
+    # On a host without AVX512-BF16 (or without AVX-512) the few-row FP4 reader compiles without the intrinsics it
+    # cannot use and gives the same sums, float32 or bfloat16 inputs (a fresh process and kernel cache that see
+    # this host's CPU features less those named).
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", _WITHOUT, *without], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
 def test_fp4_inputs_round_to_bfloat16_as_torch_does():
