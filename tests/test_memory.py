@@ -354,3 +354,34 @@ def test_cuda_memory_allocated_is_the_weights_plus_the_ledger(tiny_ckpt):  # pra
     weights = sum(block(t.numel() * t.element_size()) for t in runner.model.state_dict().values())
     ledger = sum(block(e.bytes) for e in llm.memory_ledger()[0].buffers)
     assert torch.cuda.memory_allocated() - before == weights + ledger
+
+
+def _mapping_of(ptr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding address ptr."""
+    fields, inside = {}, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0] if line.split() else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and ":" in head:
+            fields[head[:-1]] = line.split(":", 1)[1].strip()
+    return fields
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+    reason="no transparent huge pages on this kernel",
+)
+def test_large_weights_sit_in_memory_advised_for_huge_pages():
+    # build_model gives each CPU tensor of at least two huge pages memory of its own advised for them (madvise), a
+    # smaller one torch's allocator; both exactly their bytes.
+    from leanserve.make_random import preset_config
+
+    model = build_model(preset_config("tiny", vocab_size=32768), 64)
+    big, small = model.embed.weight, model.layers["0"].attn.wq_a.weight
+    assert big.nbytes >= 4 << 20 > small.nbytes
+    assert _mapping_of(big.data_ptr()).get("THPeligible") == "1"
+    assert _mapping_of(small.data_ptr()).get("THPeligible") != "1"
+    assert big.untyped_storage().nbytes() == big.nbytes

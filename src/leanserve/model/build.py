@@ -5,6 +5,7 @@ that the model does not import the loader, which imports the model.)"""
 from __future__ import annotations
 
 import contextlib
+import mmap
 from pathlib import Path
 
 import torch
@@ -16,6 +17,21 @@ from leanserve.model.layers import Rotary, set_backend
 from leanserve.model.loader import check_checkpoint
 from leanserve.model.moe import Experts
 from leanserve.model.quant import FP4_INPUTS
+
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64
+
+
+def empty(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """Uninitialised storage for a (meta) tensor's shape and dtype on `device`. On a CPU a tensor of at least two huge
+    pages gets memory of its own advised for transparent huge pages (madvise; where the kernel grants them): a
+    decode step streams every weight, and 2 MiB pages take the page walks of 4 KiB ones off those reads. Exactly
+    its bytes, so the memory ledger's figures stay the tensors' own."""
+    nbytes = t.numel() * t.element_size()
+    if torch.device(device).type != "cpu" or nbytes < 2 * HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (a shared one would be shmem)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(t.shape)
 
 
 @contextlib.contextmanager
@@ -58,7 +74,7 @@ def build_model(
         check_checkpoint(model, checkpoint)
     # (as to_empty, but torch.empty: empty_like of a meta tensor runs torch's Python reference, whose first call
     # imports sympy, slowing every process's start-up)
-    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model._apply(lambda t: empty(t, device))
     set_backend(model, ops)
     for m in model.modules():
         if isinstance(m, Experts):
