@@ -61,9 +61,8 @@ class Experts(nn.Module):
         if self.quant is None:
             return self.w13, self.w2
         if self.quant == "fp4":
-            return tuple(
-                [Fp4Weight(w, s, self.fp4_inputs) for w, s in ((self.w13, self.w13_scale), (self.w2, self.w2_scale))]
-            )
+            inputs = self.fp4_inputs
+            return Fp4Weight(self.w13, self.w13_scale, inputs), Fp4Weight(self.w2, self.w2_scale, inputs)
         return Fp8Experts(self.w13, self.w13_scale), Fp8Experts(self.w2, self.w2_scale)
 
 
