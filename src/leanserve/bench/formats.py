@@ -273,7 +273,9 @@ def formats_bench(
     cfg = bench_config(layers, experts, vocab_size, mtp)
     flash = ModelConfig.from_json_file(FLASH_CONFIG)
     dirs = make_checkpoints(root, cfg, seed, log)
-    sizes = {f: sum(p.stat().st_size for p in d.glob("*.safetensors")) for f, d in dirs.items()}
+    formats = FORMATS + ((BF16_INPUTS,) if fp4_inputs != "float32" else ())
+    dirs[BF16_INPUTS] = dirs["published"]  # (the third row loads the published files again)
+    sizes = {f: sum(p.stat().st_size for p in dirs[f].glob("*.safetensors")) for f in formats}
     available = _mem_available()
     # (loading both peaked at about 1.65x their files' bytes here: leave that much and some room)
     together = available is None or 1.8 * sum(sizes.values()) < available
@@ -282,12 +284,6 @@ def formats_bench(
     peaks = [kernel_peak_gflops()]
     medians: dict[tuple[str, int], float] = {}
     runners = {}
-    formats = FORMATS + ((BF16_INPUTS,) if fp4_inputs != "float32" else ())
-    dirs[BF16_INPUTS] = dirs["published"]
-    if together:
-        together = (
-            available is None or 1.8 * (sum(sizes.values()) + sizes["published"] * (len(formats) - 2)) < available
-        )
     for group in [formats] if together else [(f,) for f in formats]:  # all loaded, or one after the other
         runners = {
             f: stage_runner(dirs[f], max(batch_sizes), max_len, fp4_inputs if f == BF16_INPUTS else "float32")
