@@ -309,9 +309,18 @@ import numpy as np
 import torch
 
 from leanserve.model.backends.cpu.kernels import quantized
-from leanserve.model.quant import quantize_fp4
+from leanserve.model.quant import quantize_fp4, quantize_fp8
 
-assert quantized._FP4B_1 is None and (quantized._FP4_1x1 is None) == ("avx512" in sys.argv[1:])
+assert quantized._FP4B_1 is None and quantized._FP8B_1x1 is None
+assert (quantized._FP4_1x1 is None) == ("avx512" in sys.argv[1:])
+w8 = quantize_fp8(torch.randn(40, 300))
+for n in (1, 2, 5):
+    x = torch.randn(n, 300)
+    out = np.empty((n, 40), dtype=np.float32)
+    quantized._fp8_rows_jit(x.numpy(), w8.q.view(torch.uint8).numpy(), w8.scale.numpy(), 0, out, n, True)
+    xr = x.to(torch.bfloat16).double()
+    ref, size = xr @ w8.dequantize().double().T, xr.abs() @ w8.dequantize().double().abs().T
+    assert ((torch.from_numpy(out).double() - ref).abs() <= 1e-6 * size).all(), ("fp8", n)
 w = quantize_fp4(torch.randn(40, 224) * 0.02)
 for bf16 in (False, True):
     for n in (1, 2, 5):
@@ -327,10 +336,10 @@ print("ok")
 
 
 @pytest.mark.parametrize("without", [["avx512bf16"], ["avx512"]])
-def test_fp4_readers_compile_and_agree_on_hosts_without_avx512_bf16_or_avx512(without, tmp_path):
-    # On a host without AVX512-BF16 (or without AVX-512) the few-row FP4 reader compiles without the intrinsics it
-    # cannot use and gives the same sums, float32 or bfloat16 inputs (a fresh process and kernel cache that see
-    # this host's CPU features less those named).
+def test_quantized_readers_compile_and_agree_on_hosts_without_avx512_bf16_or_avx512(without, tmp_path):
+    # On a host without AVX512-BF16 (or without AVX-512) the few-row FP4 and FP8 readers compile without the
+    # intrinsics they cannot use and give the same sums, float32 or bfloat16 inputs (a fresh process and kernel
+    # cache that see this host's CPU features less those named).
     import subprocess
     import sys
 
@@ -362,20 +371,22 @@ def test_fp4_inputs_round_to_bfloat16_as_torch_does():
     assert (xb[0] == np.where(src < 160, wbits[np.minimum(src, 159)], 0)).all()
 
 
+@pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("in_features", [330, 2100])
 @pytest.mark.parametrize("big_scale", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features, bf16):
     # The few-row FP8 reader from a row that is not a multiple of 4 (its weight rows cross a 128-row scale block),
     # over whole blocks and a partial last one, every e4m3 byte, scales from 2^-127 (UE8M0 0) up, and with
     # big_scale one above 2^7 (the vector loops' rebased scale would not be a float32: the general loop runs):
     # each output is x . W dequantized, up to float32 rounding of its sum. Rows of 330 inputs are read one at a
-    # time, of 2100 (more than SHORT_FP8_ROW) two or four at a time.
+    # time, of 2100 (more than SHORT_FP8_ROW) two or four at a time. With bf16 (Fp8Weight.inputs) the sums are
+    # those of x rounded to bfloat16 (on AVX512-BF16 the bfloat16 row dots, elsewhere and at 5 rows float32).
     from leanserve.model.backends.cpu.kernels.quantized import SHORT_FP8_ROW, _fp8_rows_jit
     from leanserve.model.quant import Fp8Weight
 
     assert 330 <= SHORT_FP8_ROW < 2100
-    gen = torch.Generator().manual_seed(rows + 10 * big_scale + in_features)
+    gen = torch.Generator().manual_seed(rows + 10 * big_scale + in_features + 100 * bf16)
     blocks = -(-in_features // 128)
     q = torch.randint(0, 256, (300, in_features), dtype=torch.uint8, generator=gen)
     q[(q & 0x7F) == 0x7F] = 0  # (no NaNs)
@@ -387,7 +398,9 @@ def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features)
     x = torch.randn(rows, in_features, generator=gen)
     r0, m = 3, 250
     out = np.empty((rows, m), dtype=np.float32)
-    _fp8_rows_jit(x.numpy(), q.numpy(), scale.numpy(), r0, out, rows)
+    _fp8_rows_jit(x.numpy(), q.numpy(), scale.numpy(), r0, out, rows, bf16)
+    if bf16:  # (the rounding moves a sum by about 1e-3 of its terms' size: far outside the bound)
+        x = x.to(torch.bfloat16).float()
     ref = x.double() @ w[r0 : r0 + m].T
     bound = 1e-6 * (x.double().abs() @ w[r0 : r0 + m].abs().T) + 1e-40
     assert ((torch.from_numpy(out).double() - ref).abs() <= bound).all()

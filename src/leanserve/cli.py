@@ -66,6 +66,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         help="what a published checkpoint's FP4 experts multiply: the activations as they are, or rounded to "
         "bfloat16 (faster with AVX512-BF16; docs/checkpoints.md)",
     )
+    p.add_argument(
+        "--fp8-inputs",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the same for its FP8 weights (attention, shared experts)",
+    )
 
 
 def _generate_options(p: argparse.ArgumentParser) -> None:
@@ -217,6 +223,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "backend": args.backend,
         "fp4_inputs": args.fp4_inputs,
+        "fp8_inputs": args.fp8_inputs,
     }
     for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "kv_block_size", "enable_prefix_caching"):
         if getattr(args, name) is not None:

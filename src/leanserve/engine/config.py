@@ -12,7 +12,7 @@ from typing import Any
 
 from leanserve.memory import parse_bytes
 from leanserve.model.config import ConfigError, ModelConfig
-from leanserve.model.quant import FP4_INPUTS
+from leanserve.model.quant import check_inputs
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # model/backends/REGISTRY's names; "auto" takes the first that can run the stage (the CPU kernels where they run)
@@ -123,6 +123,7 @@ class EngineConfig:
     backend                 the model's math: auto, torch or cpu (model/backend.py)
     fp4_inputs              what a published checkpoint's FP4 experts multiply: float32 (the activations as they
                             are) or bfloat16 (rounded to it: faster on CPUs with AVX512-BF16; docs/checkpoints.md)
+    fp8_inputs              the same for its FP8 weights (attention, shared experts, FP8 experts)
     kv_cache_memory         bytes of paged cache each stage holds for its layers: an int or a size such as
                             "20GiB" (None: what max_num_seqs sequences of max_model_len take, at most half the
                             memory free when the engine starts; docs/memory.md)
@@ -148,6 +149,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     backend: str = "auto"  # which statement of the model's math each stage runs (model/backend.py)
     fp4_inputs: str = "float32"  # quant.Fp4Weight.inputs of the FP4 experts
+    fp8_inputs: str = "float32"  # quant.Fp8Weight.inputs of the FP8 weights
     kv_cache_memory: int | str | None = None
     kv_block_size: int | None = None
     enable_prefix_caching: bool | None = None  # None: on, unless a draft model drafts
@@ -165,8 +167,7 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
-        if self.fp4_inputs not in FP4_INPUTS:
-            raise ConfigError(f"fp4_inputs must be one of {tuple(FP4_INPUTS)}, got {self.fp4_inputs!r}.")
+        check_inputs(self.fp4_inputs, self.fp8_inputs)  # (the model's formats: build_model)
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

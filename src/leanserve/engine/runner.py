@@ -167,7 +167,16 @@ class StageRunner:
         uses_mtp = spec is not None and spec.needs_target_hidden_states() and layout.is_last
         checkpoint = config.model if device != "meta" else None  # (its headers checked before allocating)
         self.model = build_model(
-            cfg, max_model_len, dtype, layout, uses_mtp, device, config.backend, checkpoint, config.fp4_inputs
+            cfg,
+            max_model_len,
+            dtype,
+            layout,
+            uses_mtp,
+            device,
+            config.backend,
+            checkpoint,
+            config.fp4_inputs,
+            config.fp8_inputs,
         )
         if device != "meta":
             load_weights(self.model, config.model, progress=progress)

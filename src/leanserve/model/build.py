@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 
 from leanserve.model.backends import select_backend
-from leanserve.model.config import ConfigError, ModelConfig
+from leanserve.model.config import ModelConfig
 from leanserve.model.deepseek_v4 import DeepseekV4, StageLayout
-from leanserve.model.layers import Rotary, set_backend
+from leanserve.model.layers import Linear, Rotary, set_backend
 from leanserve.model.loader import check_checkpoint
 from leanserve.model.moe import Experts
-from leanserve.model.quant import FP4_INPUTS
+from leanserve.model.quant import INPUTS, check_inputs
 
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64
 
@@ -54,19 +54,17 @@ def build_model(
     backend: str = "auto",
     checkpoint: str | Path | None = None,
     fp4_inputs: str = "float32",
+    fp8_inputs: str = "float32",
 ) -> DeepseekV4:
     """Builds on the meta device (no init cost), then allocates uninitialised storage on `device`; the
     loader (or a random init) must fill every parameter and persistent buffer. With `checkpoint` (a model
     directory), its safetensors headers are checked against the meta model first, so a checkpoint that does
     not fit fails before anything is allocated. The stage's backend is chosen here, once (see
-    backends.select_backend), and sets the activations' dtype. `fp4_inputs` (float32 or bfloat16): what the FP4
-    experts of a published checkpoint multiply (quant.Fp4Weight.inputs); bfloat16 with no FP4 experts is an error
-    (it would change nothing)."""
-    if fp4_inputs not in FP4_INPUTS:
-        raise ConfigError(f"fp4_inputs must be one of {tuple(FP4_INPUTS)}, got {fp4_inputs!r}.")
-    has_fp4 = cfg.quantization is not None and cfg.quantization.experts == "fp4"
-    if fp4_inputs != "float32" and not has_fp4:
-        raise ConfigError(f"fp4_inputs {fp4_inputs!r} applies to FP4 experts, and this model has none.")
+    backends.select_backend), and sets the activations' dtype. `fp4_inputs` / `fp8_inputs` (float32 or bfloat16):
+    what the FP4 experts / the FP8 weights of a published checkpoint multiply (a quantized weight's `inputs`);
+    bfloat16 where the model has no such weights is an error (it would change nothing)."""
+    quant = cfg.quantization
+    check_inputs(fp4_inputs, fp8_inputs, quant is not None and quant.experts == "fp4", quant is not None)
     ops = select_backend(device, dtype, backend)
     with torch.device("meta"), _default_dtype(dtype):
         model = DeepseekV4(cfg, max_positions, stage, with_mtp)
@@ -78,7 +76,9 @@ def build_model(
     set_backend(model, ops)
     for m in model.modules():
         if isinstance(m, Experts):
-            m.fp4_inputs = FP4_INPUTS[fp4_inputs]
+            m.fp4_inputs, m.fp8_inputs = INPUTS[fp4_inputs], INPUTS[fp8_inputs]
+        elif isinstance(m, Linear) and m.quant == "fp8":
+            m.inputs = INPUTS[fp8_inputs]
     model.act_dtype = ops.activation_dtype(dtype)
     for m in model.modules():
         if isinstance(m, Rotary):

@@ -35,7 +35,10 @@ def fp32_param(*shape: int) -> nn.Parameter:
 
 class Linear(UsesBackend, nn.Linear):
     """nn.Linear (no bias here) through the stage's backend. With quant "fp8" the weight is stored as published:
-    `weight` float8_e4m3fn [out, in] and `scale` uint8 UE8M0 exponents per 128x128 block (see quant.py)."""
+    `weight` float8_e4m3fn [out, in] and `scale` uint8 UE8M0 exponents per 128x128 block (see quant.py); `inputs`
+    is then the Fp8Weight's (build_model's fp8_inputs sets it)."""
+
+    inputs = torch.float32
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: str | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -49,7 +52,7 @@ class Linear(UsesBackend, nn.Linear):
 
     def w(self) -> torch.Tensor | Fp8Weight:
         """The weight as stored: a tensor, or an Fp8Weight."""
-        return self.weight if self.quant is None else Fp8Weight(self.weight, self.scale)
+        return self.weight if self.quant is None else Fp8Weight(self.weight, self.scale, self.inputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linears(x, (self.w(),))[0]

@@ -40,7 +40,7 @@ class Experts(nn.Module):
         self.limit = cfg.swiglu_limit
         self.w13_entries = 2 * inter * hidden  # (one expert's gate | up, however stored)
         self.quant = cfg.quantization.experts if cfg.quantization is not None else None
-        self.fp4_inputs = torch.float32  # (Fp4Weight.inputs: build_model's fp4_inputs sets it)
+        self.fp4_inputs = self.fp8_inputs = torch.float32  # (the weights' `inputs`: build_model sets them)
         if self.quant is None:
             self.w13 = nn.Parameter(torch.zeros(experts, 2 * inter, hidden))
             self.w2 = nn.Parameter(torch.zeros(experts, hidden, inter))
@@ -63,7 +63,8 @@ class Experts(nn.Module):
         if self.quant == "fp4":
             inputs = self.fp4_inputs
             return Fp4Weight(self.w13, self.w13_scale, inputs), Fp4Weight(self.w2, self.w2_scale, inputs)
-        return Fp8Experts(self.w13, self.w13_scale), Fp8Experts(self.w2, self.w2_scale)
+        inputs = self.fp8_inputs
+        return Fp8Experts(self.w13, self.w13_scale, inputs), Fp8Experts(self.w2, self.w2_scale, inputs)
 
 
 class SharedExpert(nn.Module):

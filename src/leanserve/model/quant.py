@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from leanserve.model.config import ConfigError
+
 FP8_BLOCK = 128  # rows and columns of an FP8 scale block
 FP4_GROUP = 32  # inputs of a row that share an FP4 scale
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -38,10 +40,13 @@ def _blocks(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Fp8Weight:
-    """A block-scaled FP8 matrix (or a stack of them, leading dims first)."""
+    """A block-scaled FP8 matrix (or a stack of them, leading dims first). `inputs` as for Fp4Weight: bfloat16
+    takes x rounded to bfloat16, where every product of an e4m3 value and a bfloat16 is exact in float32
+    (`--fp8-inputs`)."""
 
     q: torch.Tensor  # [..., out, in] float8_e4m3fn
     scale: torch.Tensor  # [..., ceil(out / 128), ceil(in / 128)] uint8
+    inputs: torch.dtype = torch.float32
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -79,10 +84,12 @@ class Fp4Weight:
 @dataclass(frozen=True)
 class Fp8Experts:
     """Stacked FP8 experts' w13 (gate | up) with a scale grid per half: q [E, 2I, H], scale [E, 2, ceil(I / 128),
-    ceil(H / 128)]; or their w2: q [E, H, I], scale [E, 1, ceil(H / 128), ceil(I / 128)]."""
+    ceil(H / 128)]; or their w2: q [E, H, I], scale [E, 1, ceil(H / 128), ceil(I / 128)]. `inputs` as for
+    Fp8Weight."""
 
     q: torch.Tensor
     scale: torch.Tensor
+    inputs: torch.dtype = torch.float32
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -105,12 +112,22 @@ def is_quantized(w) -> bool:
     return isinstance(w, Fp8Weight | Fp4Weight | Fp8Experts)
 
 
-FP4_INPUTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # Fp4Weight.inputs by name
+INPUTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # a quantized weight's `inputs` by name
 
 
 def bf16_inputs(w) -> bool:
-    """Whether weight w multiplies its inputs rounded to bfloat16 (Fp4Weight.inputs)."""
-    return isinstance(w, Fp4Weight) and w.inputs == torch.bfloat16
+    """Whether weight w multiplies its inputs rounded to bfloat16 (a quantized weight's `inputs`)."""
+    return is_quantized(w) and w.inputs == torch.bfloat16
+
+
+def check_inputs(fp4_inputs: str, fp8_inputs: str, has_fp4: bool = True, has_fp8: bool = True) -> None:
+    """Refuses an `inputs` name that is not one (quant.INPUTS), and bfloat16 for a format the model lacks."""
+    for name, value, has, what in (("fp4_inputs", fp4_inputs, has_fp4, "FP4 experts"),
+                                   ("fp8_inputs", fp8_inputs, has_fp8, "FP8 weights")):  # fmt: skip
+        if value not in INPUTS:
+            raise ConfigError(f"{name} must be one of {tuple(INPUTS)}, got {value!r}.")
+        if value != "float32" and not has:
+            raise ConfigError(f"{name} {value!r} applies to {what}, and this model has none.")
 
 
 def inputs_for(w, x: torch.Tensor) -> torch.Tensor:

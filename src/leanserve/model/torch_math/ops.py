@@ -17,9 +17,9 @@ def linears(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.T
 
 def grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:
     """x [T, G, in], weight [G * out, in] (or quantized) -> [T, G, out]: group g of every row times its rows
-    [g * out, (g + 1) * out) of the weight, transposed."""
+    [g * out, (g + 1) * out) of the weight, transposed (x as the weight takes it, quant.inputs_for)."""
     w = dense(weight, x.dtype).view(x.shape[1], -1, x.shape[2])
-    return torch.einsum("tgi,goi->tgo", x, w)
+    return torch.einsum("tgi,goi->tgo", inputs_for(weight, x), w)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

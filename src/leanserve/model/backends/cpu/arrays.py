@@ -158,6 +158,7 @@ def moe_args(w: MoEWeights) -> tuple:
         w.gate, ck.EMPTY if w.bias is None else w.bias, NO_TABLE if w.tid2eid is None else w.tid2eid, w.top_k,
         SCORING[w.scoring], w.route_scale, *ck.stored(w.w13), *ck.stored(w.w2), *ck.stored(w.shared_w1),
         *ck.stored(w.shared_w3), *ck.stored(w.shared_w2), w.limit, bf16_inputs(w.w13),
+        w.shared_w1 is not None and bf16_inputs(w.shared_w1),
     )  # fmt: skip
 
 
@@ -167,7 +168,7 @@ def grouped_linear_arrays(x: np.ndarray, w) -> np.ndarray:
     n, groups = x.shape[0], x.shape[1]
     if isinstance(w, Fp8Weight):
         out = np.empty((n, groups, w.q.shape[0] // groups), dtype=np.float32)
-        ck.grouped_linear_fp8(n * w.q.size, x, w.q, w.scale, out)
+        ck.grouped_linear_fp8(n * w.q.size, x, w.q, w.scale, bf16_inputs(w), out)
     else:
         out = np.empty((n, groups, w.shape[1]), dtype=np.float32)
         ck.grouped_linear(n * w.size, x, w, out)

@@ -16,7 +16,7 @@ from leanserve.model.backends.cpu import arrays, decode
 from leanserve.model.backends.cpu import kernels as ck
 from leanserve.model.backends.cpu.views import KeptViews, numpy_views, tensors_of
 from leanserve.model.backends.torch import TorchBackend
-from leanserve.model.quant import Fp4Weight, Fp8Experts, Fp8Weight
+from leanserve.model.quant import Fp4Weight, Fp8Experts, Fp8Weight, inputs_for
 from leanserve.model.torch_math import blocks, ops
 from leanserve.model.weights import MixWeights
 
@@ -133,7 +133,7 @@ class CpuBackend(TorchBackend):
             return tuple([torch.from_numpy(o).view(*x.shape[:-1], o.shape[1]) for o in outs])
         if _activations(x) and _linear_weights(weights) and any(isinstance(w, Fp8Weight) for w in weights):
             # (a prefill: torch matmuls, each FP8 weight dequantized alone by the kernels just before its own)
-            return tuple([F.linear(x, _dense(w)) if isinstance(w, Fp8Weight) else ops.linears(x, (w,))[0]
+            return tuple([F.linear(inputs_for(w, x), _dense(w)) if isinstance(w, Fp8Weight) else ops.linears(x, (w,))[0]
                           for w in weights])  # fmt: skip
         return super().linears(x, weights)
 
@@ -143,7 +143,8 @@ class CpuBackend(TorchBackend):
             w = w if isinstance(w, Fp8Weight) else w.reshape(x.shape[1], -1, x.shape[2])
             return torch.from_numpy(arrays.grouped_linear_arrays(x.numpy(), w))
         if isinstance(weight, Fp8Weight) and _activations(x) and _weights((weight,), (Fp8Weight,)):
-            return ops.grouped_linear(x, _dense(weight))  # (a prefill: dequantized by the kernels for the call)
+            # (a prefill: dequantized by the kernels for the call)
+            return ops.grouped_linear(inputs_for(weight, x), _dense(weight))
         return super().grouped_linear(x, weight)
 
     def rms_norm(self, x, eps, weight=None):

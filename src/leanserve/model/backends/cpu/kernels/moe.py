@@ -24,14 +24,15 @@ _silu_glu_jit = _jit(_silu_glu)
 
 
 def moe_tokens(work, x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13, w13_s, w2, w2_s, sw1, sw1_s,
-               sw3, sw3_s, sw2, sw2_s, limit, bf16, out):  # fmt: skip
+               sw3, sw3_s, sw2, sw2_s, limit, bf16, shared_bf16, out):  # fmt: skip
     """The whole MoE for a decode-sized batch: per token, router scores (0 = sqrt(softplus), 1 = sigmoid, 2 =
     softmax) and top-k by score + bias (or the hash table when tid2eid is not empty), weights normalised and times
     route_scale (moe_route); then per expert, its tokens through its SwiGLU (each expert's weights read once), and
     the shared expert over all tokens, spread over the cores (moe_experts); their outputs added (moe_combine).
     x, out [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; sw1/sw3 [I', H]; sw2 [H, I'], each with its scale (stored():
     EMPTY for plain weights; the experts FP4 or FP8, the shared expert FP8, see _expert_rows / _matrix_rows);
-    `bf16`: FP4 experts meet their inputs rounded to bfloat16 (Fp4Weight.inputs). `work`: moe_work's multiply-adds."""
+    `bf16` / `shared_bf16`: the routed / shared experts meet their inputs rounded to bfloat16 (quant.bf16_inputs).
+    `work`: moe_work's multiply-adds."""
     n, hidden = x.shape
     num_experts, pairs = w13.shape[0], x.shape[0] * top_k
     token_of = np.empty(pairs, dtype=np.int64)
@@ -45,7 +46,7 @@ def moe_tokens(work, x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale,
     ys = np.empty((pairs, hidden), dtype=np.float32)
     shared = np.empty((chunks, n, hidden), dtype=np.float32)
     moe_experts(work, x, counts, tasks[:num_tasks], token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s,
-                sw2, sw2_s, limit, bf16, ys, shared)  # fmt: skip
+                sw2, sw2_s, limit, bf16, shared_bf16, ys, shared)  # fmt: skip
     moe_combine(token_of, ys, shared, out)
 
 
@@ -144,7 +145,7 @@ moe_route = _jit(_moe_route)
 
 
 def _moe_experts(x, counts, tasks, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s, sw2, sw2_s, limit,
-                 bf16, ys, shared_out, part, parts):  # fmt: skip
+                 bf16, shared_bf16, ys, shared_out, part, parts):  # fmt: skip
     # (compiled) moe_tokens' tasks (this part's share of them): each writes only its own rows, the routed experts'
     # outputs to ys (one row per (token, k) pair), the shared expert's parts to shared_out[c]
     n, hidden = x.shape
@@ -163,12 +164,12 @@ def _moe_experts(x, counts, tasks, token_of, weight_of, w13, w13_s, w2, w2_s, sw
             i0 = 0 if c == 0 else cut
             i1 = shared if c == chunks - 1 else cut
             gates, ups = np.empty((n, i1 - i0), dtype=np.float32), np.empty((n, i1 - i0), dtype=np.float32)
-            _matrix_rows(x, sw1, sw1_s, gates, n, i0, 0)
-            _matrix_rows(x, sw3, sw3_s, ups, n, i0, 0)
+            _matrix_rows(x, sw1, sw1_s, gates, n, i0, 0, shared_bf16)
+            _matrix_rows(x, sw3, sw3_s, ups, n, i0, 0, shared_bf16)
             for t in range(n):
                 for i in range(i1 - i0):
                     gates[t, i] = _silu_glu_jit(gates[t, i], ups[t, i], limit)
-            _matrix_rows(gates, sw2, sw2_s, shared_out[c], n, 0, i0)
+            _matrix_rows(gates, sw2, sw2_s, shared_out[c], n, 0, i0, shared_bf16)
             continue
         first, last = counts[e], counts[e + 1]
         for r in range(first, last):

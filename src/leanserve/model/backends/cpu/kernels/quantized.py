@@ -17,6 +17,12 @@ from leanserve.model.backends.cpu.kernels.base import (
     _share_jit,
     numba,
 )
+from leanserve.model.backends.cpu.kernels.bf16dots import (
+    fp4_bf16_row_dots,
+    fp4_bf16_x,
+    fp8_bf16_row_dots,
+    fp8_bf16_x,
+)
 from leanserve.model.backends.cpu.kernels.linear import (
     LINEAR_CHUNK,
     ROW_BLOCK,
@@ -30,13 +36,11 @@ from leanserve.model.backends.cpu.kernels.rowdots import (
     _AVX512,
     _AVX512_BF16,
     FP4_CHUNK,
-    fp4_bf16_row_dots,
-    fp4_bf16_x,
     fp4_permuted_x,
     fp4_row_dots,
     fp8_row_dots,
 )
-from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts, Fp8Weight
+from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts, Fp8Weight, bf16_inputs
 
 # --- FP8 / FP4 weights, dequantized as they are read (see quant.py) -------------------------------------------
 # A block of ROW_BLOCK weight rows is decoded into a float32 buffer (values times their block's scale, the same
@@ -137,6 +141,10 @@ _FP4_1x1, _FP4_1x2, _FP4_1x3, _FP4_1x4 = [fp4_row_dots(1, t) for t in (1, 2, 3, 
 _fp4_permuted_x_jit = _jit(fp4_permuted_x)
 _FP4B_1, _FP4B_2, _FP4B_3, _FP4B_4 = [fp4_bf16_row_dots(t) for t in (1, 2, 3, 4)]  # (None without AVX512-BF16)
 _fp4_bf16_x_jit = _jit(fp4_bf16_x)
+_FP8B_4x1, _FP8B_4x2, _FP8B_2x3, _FP8B_2x4, _FP8B_1x1, _FP8B_1x2, _FP8B_1x3, _FP8B_1x4 = [
+    fp8_bf16_row_dots(r, t) for r, t in ((4, 1), (4, 2), (2, 3), (2, 4), (1, 1), (1, 2), (1, 3), (1, 4))
+]  # (None without AVX512-BF16)
+_fp8_bf16_x_jit = _jit(fp8_bf16_x)
 
 
 def _bf16_rounded(x, n):  # pragma: no cover - compiled: x[:n] rounded to bfloat16 (as float32, a new array)
@@ -157,13 +165,60 @@ _bf16_rounded_jit = _jit(_bf16_rounded)
 SHORT_FP8_ROW = 2048
 
 
-def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
+def _fp8_inputs(x, n, bf16):  # pragma: no cover - compiled
+    # x[:n] as the bfloat16 FP8 row dots take it (fp8_bf16_x, over its whole 128-blocks) where they run: bf16 (the
+    # weight's inputs), at most 4 rows, AVX512-BF16, x contiguous; else an empty array. Made once per call of a
+    # linear and shared by its tasks (each would otherwise redo it).
+    full = x.shape[1] // FP8_BLOCK
+    if not (bf16 and n <= 4 and _AVX512_BF16 and x.strides[1] == 4 and full > 0):
+        return np.empty((0, 0), dtype=np.uint16)
+    xb = np.empty((n, full * FP8_BLOCK), dtype=np.uint16)
+    _fp8_bf16_x_jit(x, xb, n)
+    return xb
+
+
+def _fp8_rows(x, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
     # out[:n, :m] = x[:n] @ W[r0 : r0 + m]^T, m = out.shape[1], for the FP8 weight W: q [J, K] (e4m3 bytes),
-    # s [ceil(J / 128), ceil(K / 128)] UE8M0 exponents
+    # s [ceil(J / 128), ceil(K / 128)] UE8M0 exponents; with `bf16`, x rounded to bfloat16 first (Fp8Weight.inputs)
+    _fp8_rows_x_jit(x, _fp8_inputs(x, n, bf16), q, s, r0, out, n, bf16)
+
+
+def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
+    # _fp8_rows with xb = _fp8_inputs(x, n, bf16) made by the caller
     m, k_dim = out.shape[1], q.shape[1]
     full = k_dim // FP8_BLOCK
+    contiguous = q.strides[1] == 1 and x.strides[1] == 4 and m > 0  # (the row dots' contiguous loads)
+    wide = (4 if n <= 2 else 2) if k_dim > SHORT_FP8_ROW else 1  # (weight rows per call at n rows of x)
+    if _AVX512_BF16 and xb.shape[0] > 0 and contiguous:  # x rounded and interleaved (_fp8_inputs)
+        j = 0
+        while j < m:  # (as below, weight rows at a time within one 128-row scale block)
+            if wide > 1 and min(m - j, FP8_BLOCK - (r0 + j) % FP8_BLOCK) >= wide:
+                if n == 1:
+                    _FP8B_4x1(q, s, r0 + j, xb, full, out, j)
+                elif n == 2:
+                    _FP8B_4x2(q, s, r0 + j, xb, full, out, j)
+                elif n == 3:
+                    _FP8B_2x3(q, s, r0 + j, xb, full, out, j)
+                else:
+                    _FP8B_2x4(q, s, r0 + j, xb, full, out, j)
+                j += wide
+                continue
+            if n == 1:
+                _FP8B_1x1(q, s, r0 + j, xb, full, out, j)
+            elif n == 2:
+                _FP8B_1x2(q, s, r0 + j, xb, full, out, j)
+            elif n == 3:
+                _FP8B_1x3(q, s, r0 + j, xb, full, out, j)
+            else:
+                _FP8B_1x4(q, s, r0 + j, xb, full, out, j)
+            j += 1
+        if full * FP8_BLOCK < k_dim:  # (a last partial block: below, with x rounded)
+            _fp8_rest(_bf16_rounded_jit(x, n), q, s, r0, out, n, full)
+        return
+    if bf16:  # (the same products in float32 elsewhere)
+        x = _bf16_rounded_jit(x, n)
     if n <= 4:  # a few rows (decode, verification): products in registers, x times each block's scale
-        vector = q.strides[1] == 1 and x.strides[1] == 4 and m > 0  # (fp8_row_dots' contiguous loads)
+        vector = contiguous
         if vector:  # (and scales whose rebased power of two is a float32)
             for sr in range(r0 // FP8_BLOCK, (r0 + m - 1) // FP8_BLOCK + 1):
                 for kb in range(full):
@@ -171,7 +226,6 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
         j = 0
         if vector:  # (weight rows at a time, within one 128-row scale block, share the loads of x; rows of x
             # each decoded weight vector; short rows one at a time, SHORT_FP8_ROW)
-            wide = (4 if n <= 2 else 2) if k_dim > SHORT_FP8_ROW else 1  # (weight rows per call at n rows of x)
             while j < m:
                 if wide > 1 and min(m - j, FP8_BLOCK - (r0 + j) % FP8_BLOCK) >= wide:  # (rows left in its block)
                     if n == 1:
@@ -193,29 +247,7 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
                 else:
                     _FP8_1x4(q, s, r0 + j, x, full, out, j)
                 j += 1
-        for t in range(n):  # the blocks the vector loops did not take, and a last partial block
-            for j in range(m):
-                row = r0 + j
-                srow = row // FP8_BLOCK
-                total = out[t, j] if vector else np.float32(0.0)
-                for kb in range(0 if not vector else full, full):
-                    base = kb * FP8_BLOCK
-                    e = s[srow, kb]
-                    acc = np.float32(0.0)
-                    if e <= RAW_SCALE_MAX:
-                        for i in range(FP8_BLOCK):
-                            acc += _e4m3_raw(q[row, base + i]) * x[t, base + i]
-                        total += acc * _raw_scale(e)
-                    else:
-                        for i in range(FP8_BLOCK):
-                            acc += _e4m3(q[row, base + i]) * x[t, base + i]
-                        total += acc * _ue8m0(e)
-                if full * FP8_BLOCK < k_dim:
-                    acc = np.float32(0.0)
-                    for k in range(full * FP8_BLOCK, k_dim):
-                        acc += _e4m3(q[row, k]) * x[t, k]
-                    total += acc * _ue8m0(s[srow, full])
-                out[t, j] = total
+        _fp8_rest(x, q, s, r0, out, n, full if vector else 0)
         return
     buf = np.empty((ROW_BLOCK, k_dim), dtype=np.float32)
     for j0 in range(0, m, ROW_BLOCK):
@@ -223,6 +255,40 @@ def _fp8_rows(x, q, s, r0, out, n):  # pragma: no cover - compiled
         for r in range(block):
             _fp8_row(q, s, r0 + j0 + r, buf, r)
         _linear_tiles_jit(x, buf[:block], out[:, j0 : j0 + block], n)
+
+
+def _fp8_rest(x, q, s, r0, out, n, done):  # pragma: no cover - compiled
+    # _fp8_rows' few-row sums from 128-block `done` on (the row dots wrote the blocks before it into out)
+    m, k_dim = out.shape[1], q.shape[1]
+    full = k_dim // FP8_BLOCK
+    for t in range(n):
+        for j in range(m):
+            row = r0 + j
+            srow = row // FP8_BLOCK
+            total = out[t, j] if done > 0 else np.float32(0.0)
+            for kb in range(done, full):
+                base = kb * FP8_BLOCK
+                e = s[srow, kb]
+                acc = np.float32(0.0)
+                if e <= RAW_SCALE_MAX:
+                    for i in range(FP8_BLOCK):
+                        acc += _e4m3_raw(q[row, base + i]) * x[t, base + i]
+                    total += acc * _raw_scale(e)
+                else:
+                    for i in range(FP8_BLOCK):
+                        acc += _e4m3(q[row, base + i]) * x[t, base + i]
+                    total += acc * _ue8m0(e)
+            if full * FP8_BLOCK < k_dim:
+                acc = np.float32(0.0)
+                for k in range(full * FP8_BLOCK, k_dim):
+                    acc += _e4m3(q[row, k]) * x[t, k]
+                total += acc * _ue8m0(s[srow, full])
+            out[t, j] = total
+
+
+if numba is not None:
+    _fp8_rest = _inlined(_fp8_rest)
+    _fp8_inputs = _inlined(_fp8_inputs)
 
 
 def _fp4_rows(x, packed, s, out, n, bf16):  # pragma: no cover - compiled
@@ -287,6 +353,7 @@ def _fp4_rows(x, packed, s, out, n, bf16):  # pragma: no cover - compiled
         _linear_tiles_jit(x, buf[:block], out[:, j0 : j0 + block], n)
 
 
+_fp8_rows_x_jit = _jit(_fp8_rows_x)
 _fp8_rows_jit = _jit(_fp8_rows)
 _fp4_rows_jit = _jit(_fp4_rows)
 
@@ -322,31 +389,32 @@ def dequantized(w, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def _matrix_rows(x, w, s, out, n, r0, c0):  # pragma: no cover - compiled through the overload below
+def _matrix_rows(x, w, s, out, n, r0, c0, bf16):  # pragma: no cover - compiled through the overload below
     """out[:n] = x[:n] @ W[r0 : r0 + m, c0 : c0 + k]^T (m = out's width, k = x's) for a plain weight w (float32 or
-    bfloat16 bits; s empty, 1-d) or an FP8 one (w its bytes, s its 2-d scale grid; c0 a multiple of 128)."""
+    bfloat16 bits; s empty, 1-d) or an FP8 one (w its bytes, s its 2-d scale grid; c0 a multiple of 128; x
+    rounded to bfloat16 first with `bf16`)."""
 
 
 def _expert_rows(x, w, s, e, out, n, bf16):  # pragma: no cover - compiled through the overload below
     """out[:n] = x[:n] @ W_e^T for expert e of stacked experts: plain (s empty, 1-d), FP4 (s [E, out, in / 32]; x
     rounded to bfloat16 first with `bf16`) or FP8 (s [E, halves, ...]: each half of the rows with its own scale
-    grid)."""
+    grid; the same with `bf16`)."""
 
 
 if numba is not None:
 
     @numba.extending.overload(_matrix_rows)
-    def _matrix_rows_typed(x, w, s, out, n, r0, c0):
+    def _matrix_rows_typed(x, w, s, out, n, r0, c0, bf16):
         if s.ndim == 1:
 
-            def plain(x, w, s, out, n, r0, c0):
+            def plain(x, w, s, out, n, r0, c0, bf16):
                 _linear_rows(x, w[r0 : r0 + out.shape[1], c0 : c0 + x.shape[1]], out, n)
 
             return plain
 
-        def fp8(x, w, s, out, n, r0, c0):
+        def fp8(x, w, s, out, n, r0, c0, bf16):
             c1 = c0 + x.shape[1]
-            _fp8_rows_jit(x, w[:, c0:c1], s[:, c0 // FP8_BLOCK : (c1 + FP8_BLOCK - 1) // FP8_BLOCK], r0, out, n)
+            _fp8_rows_jit(x, w[:, c0:c1], s[:, c0 // FP8_BLOCK : (c1 + FP8_BLOCK - 1) // FP8_BLOCK], r0, out, n, bf16)
 
         return fp8
 
@@ -361,34 +429,37 @@ if numba is not None:
             halves = s.shape[1]
             m = w.shape[1] // halves
             for h in range(halves):
-                _fp8_rows_jit(x, w[e, h * m : (h + 1) * m], s[e, h], 0, out[:, h * m : (h + 1) * m], n)
+                _fp8_rows_jit(x, w[e, h * m : (h + 1) * m], s[e, h], 0, out[:, h * m : (h + 1) * m], n, bf16)
 
         return fp8_halves
 
 
-def _linear_fp8(x, qs, ss, outs, part, parts):  # pragma: no cover - compiled
-    # outs[i] = x @ W_i^T for a tuple of FP8 weights (bytes qs[i], scales ss[i]), in chunks of LINEAR_CHUNK rows
+def _linear_fp8(x, qs, ss, bf16, outs, part, parts):  # pragma: no cover - compiled
+    # outs[i] = x @ W_i^T for a tuple of FP8 weights (bytes qs[i], scales ss[i]), in chunks of LINEAR_CHUNK rows;
+    # with `bf16`, x rounded to bfloat16 first (Fp8Weight.inputs)
     ends = _chunk_ends_jit(qs)
     lo, hi = _share_jit(ends[len(qs)], part, parts)
+    xb = _fp8_inputs(x, x.shape[0], bf16)
     for task in range(lo, hi):
         i, j0 = _chunk_of_jit(ends, task)
         q, out = qs[i], outs[i]
         j1 = min(q.shape[0], j0 + LINEAR_CHUNK)
-        _fp8_rows_jit(x, q, ss[i], j0, out[:, j0:j1], x.shape[0])
+        _fp8_rows_x_jit(x, xb, q, ss[i], j0, out[:, j0:j1], x.shape[0], bf16)
 
 
 linear_fp8 = Threaded(_linear_fp8, min_work=1 << 18)
 
 
-def _grouped_linear_fp8(x, q, s, out, part, parts):  # pragma: no cover - compiled
+def _grouped_linear_fp8(x, q, s, bf16, out, part, parts):  # pragma: no cover - compiled
     # out [T, G, J] = per group g: x[:, g] [T, K] @ W[g * J : (g + 1) * J]^T for the FP8 weight W [G * J, K]
+    # (x rounded to bfloat16 first with `bf16`)
     n, groups, rows = x.shape[0], x.shape[1], out.shape[2]
     lo, hi = _share_jit(groups, part, parts)
     for g in range(lo, hi):
         xg = np.empty((n, x.shape[2]), dtype=np.float32)
         res = np.empty((n, rows), dtype=np.float32)
         xg[:] = x[:, g]
-        _fp8_rows_jit(xg, q, s, g * rows, res, n)
+        _fp8_rows_jit(xg, q, s, g * rows, res, n, bf16)
         out[:, g] = res
 
 
@@ -420,7 +491,7 @@ class Matmuls:
         self.widths = tuple([w.shape[0] for w in weights])
         groups: dict = {}
         for i, w in enumerate(weights):
-            groups.setdefault("fp8" if isinstance(w, Fp8Weight) else w.dtype, []).append(i)
+            groups.setdefault(("fp8", bf16_inputs(w)) if isinstance(w, Fp8Weight) else w.dtype, []).append(i)
         self.calls = []  # (kernel, multiply-adds per row, its weight arguments, the outputs it writes)
         for kind, every in groups.items():
             for start in range(0, len(every), CALL_WEIGHTS):
@@ -428,11 +499,11 @@ class Matmuls:
                 ws = [weights[i] for i in idx]
                 work = sum([w.shape[0] * w.shape[1] for w in ws])
                 pad = CALL_WEIGHTS - len(ws)
-                if kind == "fp8":
+                if isinstance(kind, tuple):  # (FP8, and whether its inputs are rounded to bfloat16)
                     k = ws[0].q.shape[1]
                     qs = [w.q for w in ws] + [np.empty((0, k), dtype=np.uint8)] * pad
                     scales = [w.scale for w in ws] + [np.empty((0, ws[0].scale.shape[1]), dtype=np.uint8)] * pad
-                    self.calls.append((linear_fp8, work, (tuple(qs), tuple(scales)), idx))
+                    self.calls.append((linear_fp8, work, (tuple(qs), tuple(scales), kind[1]), idx))
                 else:
                     plain = list(ws) + [np.empty((0, ws[0].shape[1]), dtype=kind)] * pad
                     self.calls.append((linear, work, (tuple(plain),), idx))

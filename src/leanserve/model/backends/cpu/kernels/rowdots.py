@@ -1,12 +1,10 @@
 """Row dot products for weights read as stored at one to four rows of x (decode, verification), written in LLVM
-IR: FP8 rows as 16-byte vectors; FP4 rows on AVX-512 by a 16-entry table lookup (`vpermps`); FP4 rows against
-bfloat16 inputs on AVX512-BF16 (`vpermw` lookups of bfloat16 values into `vdpbf16ps`)."""
+IR: FP8 rows as 16-byte vectors; FP4 rows on AVX-512 by a 16-entry table lookup (`vpermps`). Those against
+bfloat16 inputs are in bf16dots.py."""
 
 from __future__ import annotations
 
-import numpy as np
-
-from leanserve.model.backends.cpu.kernels.base import _bf16_bits_jit, numba
+from leanserve.model.backends.cpu.kernels.base import numba
 from leanserve.model.backends.cpu.kernels.simd import _lanes_sum, _splat
 from leanserve.model.quant import FP4_VALUES, FP8_BLOCK
 
@@ -252,125 +250,6 @@ def _make_fp4_dots(rows: int, xrows: int):
         return numba.types.void(packed, s, row0, xp, out, j), codegen
 
     return dots
-
-
-# FP4 rows meeting x rounded to bfloat16 (Fp4Weight.inputs, on AVX512-BF16): a chunk of 64 bytes read as 32 words,
-# word i holding values 4i .. 4i + 3, one per nibble; nibble p of every word is one shift and one 32-entry lookup
-# of bfloat16 bits (vpermw, which reads an index's low 5 bits: the table holds the 16 values twice) away from 32
-# values, which meet x's bfloat16 in `vdpbf16ps`: lane l of the float32 sum gets the products of words 2l and
-# 2l + 1, values 8l + p and 8l + 4 + p, of group l // 4 as in fp4_row_dots. Each product of two bfloat16 numbers
-# is exact in float32; the instruction adds them in float32 (subnormal bfloat16 inputs and float32 results read
-# as 0). x comes rounded and permuted once per call (fp4_bf16_x: its element 4i + p of a chunk at 32p + i).
-def fp4_bf16_x(x, xb, n):  # pragma: no cover - compiled (jitted in quantized.py)
-    """xb[t, 128c + 32p + i] = bfloat16 bits of x[t, 128c + 4i + p] (0 past x's end) for t < n."""
-    k_dim, width = x.shape[1], xb.shape[1]
-    for t in range(n):
-        for c0 in range(0, width, FP4_CHUNK):
-            for p in range(4):
-                for i in range(32):
-                    k = c0 + 4 * i + p
-                    xb[t, c0 + 32 * p + i] = _bf16_bits_jit(x[t, k]) if k < k_dim else 0
-
-
-class _BFloat(ir.types.Type if numba is not None else object):
-    """LLVM's bfloat, which llvmlite's IR builder does not name (vdpbf16ps' intrinsic takes <32 x bfloat>)."""
-
-    def _to_string(self):
-        return "bfloat"
-
-    def __eq__(self, other):
-        return isinstance(other, _BFloat)
-
-    def __hash__(self):
-        return hash("bfloat")
-
-
-_FP4_BF16_DOTS: dict = {}
-
-
-def fp4_bf16_row_dots(xrows: int = 1):
-    """The intrinsic `dots(packed, s, row0, xb, out, j)` on AVX512-BF16: out[t, j] = sum_k W[row0, k] *
-    bf16(x[t, k]) for t < xrows, W FP4 as for fp4_row_dots, xb as fp4_bf16_x writes it (uint16 [xrows, >= K
-    rounded up to 128]); the rows of x share each decoded chunk."""
-    if xrows not in _FP4_BF16_DOTS and _AVX512_BF16:
-        _FP4_BF16_DOTS[xrows] = _make_fp4_bf16_dots(xrows)
-    return _FP4_BF16_DOTS.get(xrows)
-
-
-def _make_fp4_bf16_dots(xrows: int):
-    @numba.extending.intrinsic
-    def dots(typingctx, packed, s, row0, xb, out, j):
-        from numba.core import cgutils
-
-        def codegen(context, builder, signature, args):
-            pk_t, s_t, _, xb_t, o_t, _ = signature.args
-            pk, sc, xa, oa, row, j_ = _fp4_operands(context, builder, signature, args)
-            f32, i16, i8 = ir.FloatType(), ir.IntType(16), ir.IntType(8)
-            v16f, v32h, v4b, v32bf = (ir.VectorType(t, n) for t, n in ((f32, 16), (i16, 32), (i8, 4), (_BFloat(), 32)))
-            intp = context.get_value_type(numba.types.intp)
-            fast = ("contract",)
-            zeros = ir.Constant(v16f, [0.0] * 16)
-            lut = ir.Constant(v32h, [_bf16_of(v) for v in FP4_VALUES * 2])
-            fnty = ir.FunctionType
-            perm = cgutils.get_or_insert_function(
-                builder.module, fnty(v32h, [v32h, v32h]), "llvm.x86.avx512.permvar.hi.512"
-            )
-            dp = cgutils.get_or_insert_function(
-                builder.module, fnty(v16f, [v16f, v32bf, v32bf]), "llvm.x86.avx512bf16.dpbf16ps.512"
-            )
-            groups = builder.extract_value(sc.shape, 1)
-            full = builder.udiv(groups, ir.Constant(intp, 4))
-            left = builder.trunc(builder.sub(groups, builder.mul(full, ir.Constant(intp, 4))), ir.IntType(32))
-            totals = {(0, t): cgutils.alloca_once_value(builder, zeros) for t in range(xrows)}
-            lanes32, lanes4 = _tail_lanes(builder, left, 32)  # (8 words, 16 bytes of codes, per group)
-
-            def chunk(c, tail):  # chunk c of the row; `tail`: the last one, of `left` groups
-                bp = cgutils.get_item_pointer(
-                    context, builder, pk_t, pk, [row, builder.mul(c, ir.Constant(intp, 64))], wraparound=False
-                )
-                sp = cgutils.get_item_pointer(
-                    context, builder, s_t, sc, [row, builder.mul(c, ir.Constant(intp, 4))], wraparound=False
-                )
-                if tail:
-                    codes = _masked_load(builder, bp, v32h, lanes32)
-                    e4 = _masked_load(builder, sp, v4b, lanes4)
-                else:
-                    _prefetch(builder, bp)
-                    codes = builder.load(builder.bitcast(bp, v32h.as_pointer()), align=1)
-                    e4 = builder.load(builder.bitcast(sp, v4b.as_pointer()), align=1)
-                sv = _group_scales(builder, e4)
-                parts = [zeros] * xrows
-                for p in range(4):
-                    idx = codes if p == 0 else builder.lshr(codes, ir.Constant(v32h, [4 * p] * 32))
-                    vals = builder.bitcast(builder.call(perm, [lut, idx]), v32bf)
-                    k = builder.add(builder.mul(c, ir.Constant(intp, FP4_CHUNK)), ir.Constant(intp, 32 * p))
-                    for t in range(xrows):
-                        xp = cgutils.get_item_pointer(
-                            context, builder, xb_t, xa, [ir.Constant(intp, t), k], wraparound=False
-                        )
-                        xv = builder.load(builder.bitcast(xp, v32bf.as_pointer()), align=2)
-                        parts[t] = builder.call(dp, [parts[t], vals, xv])
-                for t in range(xrows):
-                    total = totals[(0, t)]
-                    builder.store(
-                        builder.fadd(builder.load(total), builder.fmul(parts[t], sv, flags=fast), flags=fast), total
-                    )
-
-            with cgutils.for_range(builder, full) as loop:
-                chunk(loop.index, False)
-            with builder.if_then(builder.icmp_unsigned("!=", left, ir.Constant(ir.IntType(32), 0))):
-                chunk(full, True)
-            _store_sums(context, builder, o_t, oa, j_, totals)
-            return context.get_dummy_value()
-
-        return numba.types.void(packed, s, row0, xb, out, j), codegen
-
-    return dots
-
-
-def _bf16_of(v: float) -> int:
-    """A float's bfloat16 bits (exact for the FP4 values)."""
-    return int(np.array([v], dtype=np.float32).view(np.uint32)[0]) >> 16
 
 
 def _fp4_operands(context, builder, signature, args):
