@@ -88,15 +88,21 @@ def test_the_rows_give_each_engines_tok_s_and_its_ratio_to_llama_cpp():
     assert ours.vs_peer == 1.6 and ours.agreement is None
     assert (theirs.engine, theirs.step_ms, theirs.tok_s, theirs.vs_peer) == ("llama.cpp", 16.0, 62.5, 1.0)
     assert theirs.format == "MXFP4 + Q8_0 (+ BF16, F32)" and theirs.agreement == 0.958
-    ours, _ = peer.peer_rows(0.010, 0.016, "MXFP4 + Q8_0", 0.9, fp4_inputs="bfloat16")  # (--fp4-inputs bfloat16)
+    ours, _ = peer.peer_rows(0.010, 0.016, "MXFP4 + Q8_0", 0.9, {"fp4_inputs": "bfloat16", "fp8_inputs": "float32"})
     assert ours.format == "FP8 + FP4 (published), FP4 x bfloat16 inputs"
+    both = {"fp4_inputs": "bfloat16", "fp8_inputs": "bfloat16"}
+    ours, _ = peer.peer_rows(0.010, 0.016, "MXFP4 + Q8_0", 0.9, both)
+    assert ours.format == "FP8 + FP4 (published), FP4 x bfloat16 inputs, FP8 x bfloat16 inputs"
 
 
-def test_the_fp4_inputs_option_takes_float32_or_bfloat16_and_is_float32_by_default():
-    assert _parser().parse_args([]).fp4_inputs == "float32"
-    assert _parser().parse_args(["--fp4-inputs", "bfloat16"]).fp4_inputs == "bfloat16"
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_the_inputs_options_take_float32_or_bfloat16_and_are_float32_by_default(fmt):
+    from leanserve.bench.options import inputs_of
+
+    assert inputs_of(_parser().parse_args([])) == {"fp4_inputs": "float32", "fp8_inputs": "float32"}
+    assert getattr(_parser().parse_args([f"--{fmt}-inputs", "bfloat16"]), f"{fmt}_inputs") == "bfloat16"
     with pytest.raises(SystemExit):
-        _parser().parse_args(["--fp4-inputs", "float16"])
+        _parser().parse_args([f"--{fmt}-inputs", "float16"])
 
 
 def test_the_format_names_the_types_holding_most_bytes():

@@ -64,9 +64,11 @@ def median_timer(device: torch.device):
 
 
 def mtp_runner(
-    model: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, dtype: str = "auto", k: int = 1
-):
-    """A one-stage runner of `model` with the MTP drafter (`k` drafts), for timing its parts directly."""
+    model: str, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, dtype: str = "auto", k: int = 1,
+    **inputs: str,
+):  # fmt: skip
+    """A one-stage runner of `model` with the MTP drafter (`k` drafts), for timing its parts directly (`inputs`:
+    EngineConfig's fp4_inputs / fp8_inputs)."""
     from leanserve.engine.config import EngineConfig
     from leanserve.engine.llm_engine import check_speculative, resolve_dtype
     from leanserve.engine.runner import StageRunner
@@ -76,7 +78,7 @@ def mtp_runner(
     cfg = ModelConfig.from_hf(model)
     config = EngineConfig(
         model, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        speculative_config={"method": "mtp", "num_speculative_tokens": k},
+        speculative_config={"method": "mtp", "num_speculative_tokens": k}, **inputs,
     )  # fmt: skip
     check_speculative(config.speculative_config, cfg, model)
     return StageRunner(
@@ -100,9 +102,11 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tens
     return torch.randint(3, vocab, (batch, length), generator=gen)
 
 
-def stage_runner(model_dir: Path, max_seqs: int, max_len: int, fp4_inputs: str = "float32"):
+def stage_runner(
+    model_dir: Path, max_seqs: int, max_len: int, fp4_inputs: str = "float32", fp8_inputs: str = "float32"
+):
     """A one-stage runner of a checkpoint as stored (dtype auto), for `max_seqs` sequences of up to `max_len`
-    (`fp4_inputs`: EngineConfig's)."""
+    (`fp4_inputs`, `fp8_inputs`: EngineConfig's)."""
     from leanserve.engine.config import EngineConfig
     from leanserve.engine.llm_engine import resolve_dtype
     from leanserve.engine.runner import StageRunner
@@ -112,7 +116,7 @@ def stage_runner(model_dir: Path, max_seqs: int, max_len: int, fp4_inputs: str =
     cfg = ModelConfig.from_hf(model_dir)
     config = EngineConfig(
         str(model_dir), max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=max_len,
-        fp4_inputs=fp4_inputs,
+        fp4_inputs=fp4_inputs, fp8_inputs=fp8_inputs,
     )  # fmt: skip
     dtype = resolve_dtype("auto", str(model_dir))
     return StageRunner(cfg, config, PipelineTopology.build(cfg, 1).layout(0), dtype, max_len, progress=False)

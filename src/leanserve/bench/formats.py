@@ -28,14 +28,14 @@ import torch
 
 from leanserve.bench import peer
 from leanserve.bench.common import GreedyDecoder, print_rows, stage_runner
-from leanserve.bench.options import add_output, add_threads, int_list
+from leanserve.bench.options import FLOAT32_INPUTS, add_inputs, add_output, add_threads, inputs_of, int_list
 from leanserve.bench.peer import PEERS
 from leanserve.bench.profile import PROFILE_HEADERS
 from leanserve.model.config import CSA, HCA, MOE, ModelConfig
 
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v4-flash.json"
 FORMATS = ("bf16", "published")
-BF16_INPUTS = "published, bf16 inputs"  # (--fp4-inputs bfloat16: the published checkpoint's third row)
+BF16_INPUTS = "published, bf16 inputs"  # (--fp4-inputs / --fp8-inputs bfloat16: the published checkpoint's third row)
 SHARD = 2 * 10**9  # bytes per safetensors shard written (safetensors copies a shard in memory as it writes)
 
 
@@ -262,18 +262,19 @@ def formats_bench(
     log=print,
     profile: list | None = None,
     mtp: bool = False,
-    fp4_inputs: str = "float32",
+    inputs: dict[str, str] | None = None,
 ) -> tuple[list[FormatRow], list[str]]:
     """(rows, notes): decode tok/s of the published and bf16 checkpoints of bench_config's model at each batch
     size, with the batch-1 bytes per token, GB/s and share of the measured memory bandwidth. `profile`, a list:
     the published format's batch-1 step kernel by kernel is appended to it (bench/profile.py), after the timings.
-    `fp4_inputs` bfloat16: the published checkpoint also with its FP4 experts meeting bfloat16 inputs (a third
-    row, timed with the other two, and the one profiled)."""
+    `inputs` (EngineConfig's fp4_inputs / fp8_inputs) with a bfloat16: the published checkpoint also with those
+    weights meeting bfloat16 inputs (a third row, timed with the other two, and the one profiled)."""
     root = Path(root)
     cfg = bench_config(layers, experts, vocab_size, mtp)
     flash = ModelConfig.from_json_file(FLASH_CONFIG)
     dirs = make_checkpoints(root, cfg, seed, log)
-    formats = FORMATS + ((BF16_INPUTS,) if fp4_inputs != "float32" else ())
+    inputs = inputs or FLOAT32_INPUTS
+    formats = FORMATS + ((BF16_INPUTS,) if inputs != FLOAT32_INPUTS else ())
     dirs[BF16_INPUTS] = dirs["published"]  # (the third row loads the published files again)
     sizes = {f: sum(p.stat().st_size for p in dirs[f].glob("*.safetensors")) for f in formats}
     available = _mem_available()
@@ -286,7 +287,7 @@ def formats_bench(
     runners = {}
     for group in [formats] if together else [(f,) for f in formats]:  # all loaded, or one after the other
         runners = {
-            f: stage_runner(dirs[f], max(batch_sizes), max_len, fp4_inputs if f == BF16_INPUTS else "float32")
+            f: stage_runner(dirs[f], max(batch_sizes), max_len, **(inputs if f == BF16_INPUTS else FLOAT32_INPUTS))
             for f in group
         }
         for batch in batch_sizes:
@@ -386,13 +387,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp", action="store_true", help="give the model Flash's MTP layer (for bench spec-cost --model)")
     p.add_argument("--peer", choices=PEERS, default=None, help="also: a peer engine's batch-1 decode (bench/peer.py)")
     p.add_argument("--peer-converter", default=None, help="--peer llama.cpp: its convert_hf_to_gguf.py (or its dir)")
-    p.add_argument(
-        "--fp4-inputs",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="bfloat16: also the published checkpoint with its FP4 experts meeting bfloat16 inputs (a third row, the "
-        "one --profile and --peer run)",
-    )
+    add_inputs(p, "a third row, the one --profile and --peer run")
     add_threads(p)
     add_output(p)
 
@@ -405,12 +400,10 @@ def run(args: argparse.Namespace) -> int:
     converter = peer.require(args.peer_converter) if args.peer else None  # (before any long work)
     rows, notes = formats_bench(
         args.dir, args.batch_sizes, args.layers, args.experts, args.vocab_size, args.rounds, log=log, profile=profile,
-        mtp=args.mtp, fp4_inputs=args.fp4_inputs,
+        mtp=args.mtp, inputs=inputs_of(args),
     )  # fmt: skip
     peer_rows, peer_notes = (
-        peer.peer_bench(args.dir, converter, args.rounds, log=log, fp4_inputs=args.fp4_inputs)
-        if converter
-        else ([], [])
+        peer.peer_bench(args.dir, converter, args.rounds, log=log, inputs=inputs_of(args)) if converter else ([], [])
     )
     if args.output == "json":
         out = json.loads(rows_json(rows, notes))

@@ -20,6 +20,23 @@ def add_threads(p: argparse.ArgumentParser, help: str | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help=help)
 
 
+FLOAT32_INPUTS = {"fp4_inputs": "float32", "fp8_inputs": "float32"}  # (EngineConfig's defaults)
+
+
+def add_inputs(p: argparse.ArgumentParser, what: str) -> None:
+    """--fp4-inputs / --fp8-inputs (EngineConfig's), for `what` (the help's end)."""
+    for fmt, weights in (("fp4", "FP4 experts"), ("fp8", "FP8 weights")):
+        p.add_argument(
+            f"--{fmt}-inputs", default="float32", choices=["float32", "bfloat16"],
+            help=f"bfloat16: the published checkpoint's {weights} meet bfloat16 inputs ({what})",
+        )  # fmt: skip
+
+
+def inputs_of(args: argparse.Namespace) -> dict[str, str]:
+    """The engine's fp4_inputs / fp8_inputs from add_inputs' options."""
+    return {name: getattr(args, name) for name in FLOAT32_INPUTS}
+
+
 def add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="table", choices=["table", "json"])
 

@@ -123,10 +123,13 @@ def agreement(ours: Sequence[int], theirs: Sequence[int]) -> float:
 
 
 def peer_rows(
-    leanserve_s: float, peer_s: float, peer_format: str, agree: float, fp4_inputs: str = "float32"
+    leanserve_s: float, peer_s: float, peer_format: str, agree: float, inputs: dict[str, str] | None = None
 ) -> list[PeerRow]:
-    """The two rows from each engine's median batch-1 step (seconds): tok/s, and each against llama.cpp's."""
-    ours = LEANSERVE_FORMAT + ("" if fp4_inputs == "float32" else f", FP4 x {fp4_inputs} inputs")
+    """The two rows from each engine's median batch-1 step (seconds): tok/s, and each against llama.cpp's.
+    `inputs`: EngineConfig's fp4_inputs / fp8_inputs, named in leanserve's format where not float32."""
+    ours = LEANSERVE_FORMAT + "".join(
+        f", {name[:3].upper()} x {value} inputs" for name, value in (inputs or {}).items() if value != "float32"
+    )
     return [
         PeerRow("leanserve", ours, round(leanserve_s * 1e3, 2), round(1 / leanserve_s, 2),
                 round(peer_s / leanserve_s, 2), None),
@@ -257,7 +260,7 @@ def peer_bench(
     prompt_len: int = PROMPT_LEN,
     agree_tokens: int = AGREE_TOKENS,
     log=print,
-    fp4_inputs: str = "float32",
+    inputs: dict[str, str] | None = None,
 ) -> tuple[list[PeerRow], list[str]]:
     """(rows, notes): batch-1 decode of root/published on leanserve and on llama.cpp (its GGUF), steps alternating,
     medians of `rounds` after 2 warm-up steps each; and the teacher-forced agreement of llama.cpp with leanserve's
@@ -273,7 +276,7 @@ def peer_bench(
     threads = torch.get_num_threads()
     max_len = prompt_len + max(rounds + 2, agree_tokens) + 8
     n_ctx = -(-max_len // 256) * 256
-    runner = stage_runner(published, 1, max_len, fp4_inputs)
+    runner = stage_runner(published, 1, max_len, **(inputs or {}))
     llm = llama_cpp.Llama(
         str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
         verbose=False,
@@ -300,7 +303,7 @@ def peer_bench(
     sequence = list(range(3, 3 + prompt_len)) + fed
     agree = agreement(produced, teacher_forced(llm, sequence, prompt_len))
     rows = peer_rows(
-        statistics.median(times["leanserve"]), statistics.median(times["llama.cpp"]), peer_format, agree, fp4_inputs
+        statistics.median(times["leanserve"]), statistics.median(times["llama.cpp"]), peer_format, agree, inputs
     )
     version = importlib.metadata.version("llama-cpp-python")
     notes = [

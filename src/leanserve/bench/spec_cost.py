@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass
 
 from leanserve.bench.common import mtp_runner, prefill, print_rows, random_prompts, timed
-from leanserve.bench.options import add_output, add_threads, int_list
+from leanserve.bench.options import add_inputs, add_output, add_threads, inputs_of, int_list
 
 TARGET = 1.5  # the speed-up the acceptance columns are for
 
@@ -113,19 +113,27 @@ def ceilings(prices: dict[str, float]) -> tuple[float, float]:
 
 
 def spec_cost_bench(
-    model: str, batch_sizes: list[int], repeats: int = 50, prompt_len: int = 32, dtype: str = "float32"
+    model: str,
+    batch_sizes: list[int],
+    repeats: int = 50,
+    prompt_len: int = 32,
+    dtype: str = "float32",
+    inputs: dict[str, str] | None = None,
 ) -> list[SpecCostRow]:
     """Times the parts of MTP speculative steps against a plain decode step on the same caches, interleaved at the
     same positions (each arm rewrites the last one's: a rollback), medians over `repeats`. A step with k drafts
     yields at most k + 1 tokens, so (k + 1) / (its cost in plain steps) bounds MTP k's speed-up. The tokens are
-    varied (seeded), as in text: a token and its drafts route to different experts, which is what verifying costs."""
+    varied (seeded), as in text: a token and its drafts route to different experts, which is what verifying costs.
+    `inputs`: EngineConfig's fp4_inputs / fp8_inputs."""
     from leanserve.engine.proposers import ProposeItem
     from leanserve.engine.runner import SampleSpec, StepPlan
     from leanserve.model.batch import Chunk
     from leanserve.sampling_params import SamplingParams
 
     most = max(batch_sizes)
-    runner = mtp_runner(model, most, prompt_len + repeats + 8, max(2048, most * prompt_len), dtype, k=2)
+    runner = mtp_runner(
+        model, most, prompt_len + repeats + 8, max(2048, most * prompt_len), dtype, k=2, **(inputs or {})
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20)
     rows = []
     ids = random_prompts(most, repeats + 8, runner.cfg.vocab_size, 0).tolist()  # ids[slot][round + i]
@@ -187,11 +195,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                    help="auto: the checkpoint's own (a published one's)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=50)
+    add_inputs(p, "in every part timed")
     add_threads(p)
     add_output(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = spec_cost_bench(args.model, args.batch_sizes, args.repeats, dtype=args.dtype)
+    rows = spec_cost_bench(args.model, args.batch_sizes, args.repeats, dtype=args.dtype, inputs=inputs_of(args))
     print_rows(rows, args.output, SPEC_COST_HEADERS)
     return 0
