@@ -78,3 +78,24 @@ def test_the_kernel_profile_counts_every_decode_call_and_its_weight_bytes():
         assert rows[-1].kernel == "rest of the step" and rows[0].ms >= rows[1].ms
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("fp8_inputs", ["float32", "bfloat16"])
+def test_the_kernel_profile_counts_fp8_linears_bytes(tmp_path, fp8_inputs):
+    """A published model's FP8 linears (their calls carry the inputs flag too): each profiled linear's bytes are
+    its weights' values and scales."""
+    from leanserve import LLM, SamplingParams
+    from leanserve.bench.profile import kernel_profile, weight_bytes
+    from leanserve.make_random import make_random
+
+    path = make_random(tmp_path, "tiny", 1, format="published")
+    llm = LLM(str(path), max_model_len=64, max_num_seqs=1, load_progress=False, fp8_inputs=fp8_inputs)
+    try:
+        with kernel_profile() as totals:
+            llm.generate([{"prompt_token_ids": [7]}], SamplingParams(max_tokens=3, ignore_eos=True))
+        attn = llm.engine.executor.runner.model.layers["0"].attn
+        wq_b = totals[f"linear fp8 [{attn.wq_b.in_features} -> {attn.wq_b.out_features}]"]
+        # (every FP8 linear of that shape, e.g. the indexer's too, has the same bytes a call)
+        assert wq_b[0] % 3 == 0 and wq_b[2] == wq_b[0] * weight_bytes(attn.wq_b.w())
+    finally:
+        llm.shutdown()

@@ -89,8 +89,9 @@ def kernel_profile():
         kinds = sorted({"fp8" if k is quantized.linear_fp8 else "float" for k, _, _, _ in self.calls})
         return f"linear {'+'.join(kinds)} [{x.shape[1]} -> {sum(self.widths)}]"
 
-    def linear_bytes(self, x):
-        return sum(sum(weight_bytes(a) for part in args for a in part) for _, _, args, _ in self.calls)
+    def linear_bytes(self, x):  # (a call's arguments: tuples of weight arrays, and an FP8 call's input flag)
+        parts = [part for _, _, args, _ in self.calls for part in args if isinstance(part, tuple)]
+        return sum(weight_bytes(a) for part in parts for a in part)
 
     timed(quantized.Matmuls, "__call__", linear_label, linear_bytes)
     timed(decode, "moe", "moe (router, experts, shared expert)", lambda p, x, step: moe_bytes(p.w.moe))
