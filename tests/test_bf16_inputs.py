@@ -12,28 +12,25 @@ from leanserve.model.build import build_model
 from leanserve.model.config import ConfigError, ModelConfig
 
 
-@pytest.fixture(scope="module")
-def wide_pub(tmp_path_factory):
+def _published(tmp_path_factory, expert_dtype: str):
     # hidden 256: the experts' rows hold whole 128-value chunks (the tiny preset's 64 only a last, partial one)
     from leanserve.make_random import make_random
 
     return make_random(
-        tmp_path_factory.mktemp("fp4-inputs"), "tiny", 3, format="published", expert_dtype="fp4",
+        tmp_path_factory.mktemp(f"{expert_dtype}-experts"), "tiny", 3, format="published", expert_dtype=expert_dtype,
         hidden_size=256, moe_intermediate_size=128, q_lora_rank=128, o_lora_rank=128, head_dim=64,
         qk_rope_head_dim=16, index_head_dim=64, index_n_heads=16,
     )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def fp8_experts(tmp_path_factory):
-    # the same shapes with FP8 experts (Fp8Experts: each half of w13 with its own scale grid)
-    from leanserve.make_random import make_random
+def wide_pub(tmp_path_factory):
+    return _published(tmp_path_factory, "fp4")
 
-    return make_random(
-        tmp_path_factory.mktemp("fp8-inputs"), "tiny", 3, format="published", expert_dtype="fp8",
-        hidden_size=256, moe_intermediate_size=128, q_lora_rank=128, o_lora_rank=128, head_dim=64,
-        qk_rope_head_dim=16, index_head_dim=64, index_n_heads=16,
-    )  # fmt: skip
+
+@pytest.fixture(scope="module")
+def fp8_experts(tmp_path_factory):  # (Fp8Experts: each half of w13 with its own scale grid)
+    return _published(tmp_path_factory, "fp8")
 
 
 def _run(path, ids_of, **kwargs):

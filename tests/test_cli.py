@@ -154,8 +154,20 @@ def test_error_unknown_model_type(tmp_path, ckpt, capsys):
         (["--prompt-token-ids", "1,2", "--max-tokens", "0"], "max_tokens"),
         (["--prompt-token-ids", "1,2", "--max-tokens", "40", "--max-model-len", "32"], "max_model_len"),
         (["--prompt", "hello"], "tokenizer"),
+        (["--prompt-token-ids", "1,2", "--fp4-inputs", "bfloat16"], "fp4_inputs 'bfloat16' applies to FP4 experts"),
+        (["--prompt-token-ids", "1,2", "--fp8-inputs", "bfloat16"], "fp8_inputs 'bfloat16' applies to FP8 weights"),
     ],
-    ids=["id-too-large", "id-negative", "temperature", "top-p", "max-tokens", "too-long", "text-no-tokenizer"],
+    ids=[
+        "id-too-large",
+        "id-negative",
+        "temperature",
+        "top-p",
+        "max-tokens",
+        "too-long",
+        "text-no-tokenizer",
+        "fp4-inputs-plain-model",
+        "fp8-inputs-plain-model",
+    ],  # fmt: skip
 )
 def test_generate_user_errors_exit_2_with_one_line(ckpt, capsys, args, needle):
     msg = error_line(capsys, ["generate", "--model", str(ckpt), *args])

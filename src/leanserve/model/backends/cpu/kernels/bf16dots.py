@@ -13,6 +13,7 @@ from leanserve.model.backends.cpu.kernels.rowdots import (
     _AVX512_BF16,
     FP4_CHUNK,
     _fp4_operands,
+    _fp8_operands,
     _group_scales,
     _masked_load,
     _prefetch,
@@ -191,8 +192,7 @@ def _make_fp8_bf16_dots(rows: int, xrows: int):
 
         def codegen(context, builder, signature, args):
             q_t, s_t, _, xb_t, _, o_t, _ = signature.args
-            qa, sa, xa, oa = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 3, 5)]
-            row0_, full_, j_ = args[2], args[4], args[6]
+            qa, sa, xa, oa, row0_, full_, j_ = _fp8_operands(context, builder, signature, args)
             f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
             v16f, v16i, v64b, v32bf = (
                 ir.VectorType(t, n) for t, n in ((f32, 16), (i32, 16), (i8, 64), (_BFloat(), 32))

@@ -66,11 +66,7 @@ def _make_fp8_dots(rows: int, xrows: int):
 
         def codegen(context, builder, signature, args):
             q_t, s_t, _, x_t, _, o_t, _ = signature.args
-            qa = context.make_array(q_t)(context, builder, args[0])
-            sa = context.make_array(s_t)(context, builder, args[1])
-            xa = context.make_array(x_t)(context, builder, args[3])
-            oa = context.make_array(o_t)(context, builder, args[5])
-            row0_, full_, j_ = args[2], args[4], args[6]
+            qa, sa, xa, oa, row0_, full_, j_ = _fp8_operands(context, builder, signature, args)
             f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
             v16f, v16i, v16b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
             intp = context.get_value_type(numba.types.intp)
@@ -250,6 +246,13 @@ def _make_fp4_dots(rows: int, xrows: int):
         return numba.types.void(packed, s, row0, xp, out, j), codegen
 
     return dots
+
+
+def _fp8_operands(context, builder, signature, args):
+    """An FP8 dots intrinsic's call `dots(q, s, row0, x, full, out, j)` as (q, s, x, out) numba arrays, row0, full
+    and j."""
+    arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 3, 5)]
+    return (*arrays, args[2], args[4], args[6])
 
 
 def _fp4_operands(context, builder, signature, args):
