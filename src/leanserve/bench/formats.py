@@ -228,7 +228,11 @@ except ImportError:  # pragma: no cover
     numba = None
 
 
-def memory_bandwidth(gib: float = 1.0, repeats: int = 9) -> dict[str, float]:
+BANDWIDTH_REPEATS = 9  # reads of each kind before and after a batch size's timings
+PROBE_EVERY, PROBE_REPEATS = 5, 3  # and among them: every 5 rounds, 3 reads of each kind
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = BANDWIDTH_REPEATS) -> dict[str, float]:
     """Read bandwidth in GB/s over a `gib` GiB float32 array, best of `repeats`: numpy's sum (one thread; it is
     bound by its pairwise summation, not by memory), a vectorised sum on one thread and one spread over all of
     numba's threads; "machine": the largest."""
@@ -281,7 +285,10 @@ def formats_bench(
     # (loading both peaked at about 1.65x their files' bytes here: leave that much and some room)
     together = available is None or 1.8 * sum(sizes.values()) < available
     max_len = prompt_len + rounds + 8
-    bws = [memory_bandwidth()]  # measured before, between and after the timings: the best of each kind is kept
+    # The read is measured before, among and after the timings (the host's memory speed moves within minutes): the
+    # best of each kind is kept, so a share is of the fastest read seen in the run.
+    bws = [memory_bandwidth()]
+    reads = BANDWIDTH_REPEATS
     peaks = [kernel_peak_gflops()]
     medians: dict[tuple[str, int], float] = {}
     runners = {}
@@ -298,8 +305,12 @@ def formats_bench(
             for r in range(rounds):
                 for f in group if r % 2 == 0 else group[::-1]:
                     times[f].append(decoders[f]())
+                if r % PROBE_EVERY == PROBE_EVERY - 1 and r < rounds - 1:  # (between rounds, untimed)
+                    bws.append(memory_bandwidth(repeats=PROBE_REPEATS))
+                    reads += PROBE_REPEATS
             medians |= {(f, batch): statistics.median(v) for f, v in times.items()}
             bws.append(memory_bandwidth())
+            reads += BANDWIDTH_REPEATS
             peaks.append(kernel_peak_gflops())
         profiled = BF16_INPUTS if BF16_INPUTS in formats else "published"
         if profile is not None and profiled in runners:
@@ -334,7 +345,7 @@ def formats_bench(
             f"+ head {t.head / 1e6:.1f} + embedding row"
             for f, t in per_token.items()
         ),
-        f"memory bandwidth (best of {9 * len(bws)} reads of 1 GiB, before, between and after the timings): "
+        f"memory bandwidth (best of {reads} reads of 1 GiB, before, among and after the timings): "
         + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items() if k != "machine")
         + f"; shares are of {bw['machine']:.1f} GB/s",
         f"arithmetic: two float32 operations per weight each token multiplies (FP8 / FP4 decoded first); the "
