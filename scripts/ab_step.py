@@ -51,14 +51,14 @@ def _module(pkg: str, *names: str):
     raise ModuleNotFoundError(f"none of {names} in {pkg}")
 
 
-def runner(pkg: str, model: str, dtype: str, batch: int, max_len: int, tokens: int):
+def runner(pkg: str, model: str, dtype: str, batch: int, max_len: int, tokens: int, options: dict):
     cfg_mod = _module(pkg, "model.config", "config")
     run_mod = importlib.import_module(f"{pkg}.engine.runner")
     topo = importlib.import_module(f"{pkg}.engine.topology")
     eng = importlib.import_module(f"{pkg}.engine.llm_engine")
     cfg = cfg_mod.ModelConfig.from_hf(model)
     config = _module(pkg, "engine.config", "config").EngineConfig(
-        model, max_model_len=max_len, max_num_seqs=batch, max_num_batched_tokens=tokens
+        model, max_model_len=max_len, max_num_seqs=batch, max_num_batched_tokens=tokens, **options
     )
     layout = topo.PipelineTopology.build(cfg, 1).layout(0)
     r = run_mod.StageRunner(cfg, config, layout, eng.resolve_dtype(dtype, model), max_len, progress=False)
@@ -96,7 +96,12 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=60, help="decode rounds per arm (prefill: a tenth)")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens before the decode steps")
     p.add_argument("--threads", type=int, default=None, help="torch (and kernel) threads; default torch's")
+    p.add_argument(
+        "--option", action="append", default=[], metavar="NAME=VALUE",
+        help="an EngineConfig option for both arms, e.g. fp8_inputs=bfloat16 (repeatable; both codes must take it)",
+    )  # fmt: skip
     a = p.parse_args()
+    options = dict(o.split("=", 1) for o in a.option)
     import torch
 
     if a.threads:
@@ -110,7 +115,8 @@ def main() -> int:
             for batch in [int(b) for b in a.batch_sizes.split(",")]:
                 length = a.prompt + 8
                 pair = [
-                    runner(pkg, a.model, dtype, batch, length, max(256, batch * a.prompt)) for pkg in (OLD, "leanserve")
+                    runner(pkg, a.model, dtype, batch, length, max(256, batch * a.prompt), options)
+                    for pkg in (OLD, "leanserve")
                 ]
                 both = [plans(pkg, batch, a.prompt, a.prompt) for pkg in (OLD, "leanserve")]
                 with torch.inference_mode():
@@ -120,7 +126,7 @@ def main() -> int:
                 print(f"{dtype:>9} {f'decode b={batch}':>12} {old * 1e3:9.3f} {new * 1e3:9.3f} {new / old:8.3f}")
             if a.prefill:
                 n = a.prefill
-                pair = [runner(pkg, a.model, dtype, 1, n + 1, n) for pkg in (OLD, "leanserve")]
+                pair = [runner(pkg, a.model, dtype, 1, n + 1, n, options) for pkg in (OLD, "leanserve")]
                 both = [plans(pkg, 1, 0, n)[0] for pkg in (OLD, "leanserve")]
                 with torch.inference_mode():
                     old, new = ab(pair, both, max(4, a.repeats // 10))

@@ -372,7 +372,7 @@ def test_fp4_inputs_round_to_bfloat16_as_torch_does():
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-@pytest.mark.parametrize("in_features", [330, 2100])
+@pytest.mark.parametrize("in_features", [330, 2100, 4200])
 @pytest.mark.parametrize("big_scale", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features, bf16):
@@ -380,12 +380,14 @@ def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features,
     # over whole blocks and a partial last one, every e4m3 byte, scales from 2^-127 (UE8M0 0) up, and with
     # big_scale one above 2^7 (the vector loops' rebased scale would not be a float32: the general loop runs):
     # each output is x . W dequantized, up to float32 rounding of its sum. Rows of 330 inputs are read one at a
-    # time, of 2100 (more than SHORT_FP8_ROW) two or four at a time. With bf16 (Fp8Weight.inputs) the sums are
-    # those of x rounded to bfloat16 (on AVX512-BF16 the bfloat16 row dots, elsewhere and at 5 rows float32).
-    from leanserve.model.backends.cpu.kernels.quantized import SHORT_FP8_ROW, _fp8_rows_jit
+    # time; of 2100 and 4200 (more than SHORT_FP8_ROW) one at a time while the rows of x fit X_IN_L1, else two or
+    # four at a time (both ways for each length, over the rows of x and bf16). With bf16 (Fp8Weight.inputs) the
+    # sums are those of x rounded to bfloat16 (on AVX512-BF16 the bfloat16 row dots, elsewhere and at 5 rows
+    # float32).
+    from leanserve.model.backends.cpu.kernels.quantized import SHORT_FP8_ROW, X_IN_L1, _fp8_rows_jit
     from leanserve.model.quant import Fp8Weight
 
-    assert 330 <= SHORT_FP8_ROW < 2100
+    assert 330 <= SHORT_FP8_ROW < 2100 and 4 * 2100 <= X_IN_L1 < 4 * 4200 and 2 * 2 * 4200 > X_IN_L1
     gen = torch.Generator().manual_seed(rows + 10 * big_scale + in_features + 100 * bf16)
     blocks = -(-in_features // 128)
     q = torch.randint(0, 256, (300, in_features), dtype=torch.uint8, generator=gen)

@@ -163,6 +163,12 @@ _bf16_rounded_jit = _jit(_bf16_rounded)
 # 26 GB/s a row at a time against 17 four at a time; [16384 x 2048] 33 against 21; equal at 4096 inputs, and at
 # 8192 four at a time is faster, 26 against 19). Each entry's arithmetic is the same either way.
 SHORT_FP8_ROW = 2048
+# Longer rows are read one per call too while the rows of x they meet fit in half the L1 cache (n rows of K float32,
+# or bfloat16 for the bfloat16 row dots): x then stays in L1 while one row streams. Two runs of the same kernel in
+# one process, from memory on two threads, one row per call against four: [8192 x 4096] 1.09x at one float32 row
+# of x (16 KB), 1.23x at two bfloat16 rows; [4096 x 8192] 1.08x at one bfloat16 row; and where x is larger, 0.67-0.77x
+# (two float32 rows of 4096, one or two of 8192).
+X_IN_L1 = 16384  # bytes
 
 
 def _fp8_inputs(x, n, bf16):  # pragma: no cover - compiled
@@ -188,7 +194,8 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
     m, k_dim = out.shape[1], q.shape[1]
     full = k_dim // FP8_BLOCK
     contiguous = q.strides[1] == 1 and x.strides[1] == 4 and m > 0  # (the row dots' contiguous loads)
-    wide = (4 if n <= 2 else 2) if k_dim > SHORT_FP8_ROW else 1  # (weight rows per call at n rows of x)
+    one = k_dim <= SHORT_FP8_ROW or n * k_dim * (2 if xb.shape[0] > 0 else 4) <= X_IN_L1  # (a row per call)
+    wide = 1 if one else (4 if n <= 2 else 2)  # (weight rows per call at n rows of x)
     if _AVX512_BF16 and xb.shape[0] > 0 and contiguous:  # x rounded and interleaved (_fp8_inputs)
         j = 0
         while j < m:  # (as below, weight rows at a time within one 128-row scale block)
@@ -225,7 +232,7 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
                     vector = vector and s[sr, kb] <= RAW_SCALE_MAX
         j = 0
         if vector:  # (weight rows at a time, within one 128-row scale block, share the loads of x; rows of x
-            # each decoded weight vector; short rows one at a time, SHORT_FP8_ROW)
+            # each decoded weight vector; short rows, and rows whose x fits L1, one at a time: SHORT_FP8_ROW)
             while j < m:
                 if wide > 1 and min(m - j, FP8_BLOCK - (r0 + j) % FP8_BLOCK) >= wide:  # (rows left in its block)
                     if n == 1:
