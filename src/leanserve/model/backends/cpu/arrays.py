@@ -158,7 +158,7 @@ def moe_args(w: MoEWeights) -> tuple:
         w.gate, ck.EMPTY if w.bias is None else w.bias, NO_TABLE if w.tid2eid is None else w.tid2eid, w.top_k,
         SCORING[w.scoring], w.route_scale, *ck.stored(w.w13), *ck.stored(w.w2), *ck.stored(w.shared_w1),
         *ck.stored(w.shared_w3), *ck.stored(w.shared_w2), w.limit, bf16_inputs(w.w13),
-        w.shared_w1 is not None and bf16_inputs(w.shared_w1),
+        bf16_inputs(w.shared_w1),
     )  # fmt: skip
 
 

@@ -19,7 +19,9 @@ from leanserve.model.backends.cpu.kernels.rowdots import (
     _prefetch,
     _store_sums,
     _tail_lanes,
+    _ue8m0_bits,
 )
+from leanserve.model.backends.cpu.kernels.simd import _splat
 from leanserve.model.quant import FP4_VALUES, FP8_BLOCK
 
 if numba is not None:
@@ -194,9 +196,7 @@ def _make_fp8_bf16_dots(rows: int, xrows: int):
             q_t, s_t, _, xb_t, _, o_t, _ = signature.args
             qa, sa, xa, oa, row0_, full_, j_ = _fp8_operands(context, builder, signature, args)
             f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
-            v16f, v16i, v64b, v32bf = (
-                ir.VectorType(t, n) for t, n in ((f32, 16), (i32, 16), (i8, 64), (_BFloat(), 32))
-            )
+            v16f, v64b, v32bf = (ir.VectorType(t, n) for t, n in ((f32, 16), (i8, 64), (_BFloat(), 32)))
             intp = context.get_value_type(numba.types.intp)
             fast = ("contract",)
             zeros = ir.Constant(v16f, [0.0] * 16)
@@ -225,16 +225,8 @@ def _make_fp8_bf16_dots(rows: int, xrows: int):
             with cgutils.for_range(builder, full_) as loop:
                 base = builder.mul(loop.index, ir.Constant(intp, FP8_BLOCK))
                 sp = cgutils.get_item_pointer(context, builder, s_t, sa, [srow, loop.index], wraparound=False)
-                e = builder.zext(builder.load(sp), i32)  # 2^(e - 127); e = 0 -> 2^-127
-                bits = builder.select(
-                    builder.icmp_unsigned("==", e, ir.Constant(i32, 0)),
-                    ir.Constant(i32, 1 << 22),
-                    builder.shl(e, ir.Constant(i32, 23)),
-                )
-                scale = builder.bitcast(
-                    builder.insert_element(ir.Constant(v16i, ir.Undefined), bits, ir.Constant(i32, 0)), v16f
-                )
-                scale = builder.shuffle_vector(scale, ir.Constant(v16f, ir.Undefined), ir.Constant(v16i, [0] * 16))
+                e = builder.zext(builder.load(sp), i32)
+                scale = _splat(builder, builder.bitcast(_ue8m0_bits(builder, e), f32))
                 chains = {p: [zeros, zeros] for p in pairs}
                 for c in range(FP8_BLOCK // FP8_CHUNK):
                     k = builder.add(base, ir.Constant(intp, FP8_CHUNK * c))

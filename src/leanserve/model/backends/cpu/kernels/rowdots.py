@@ -296,9 +296,14 @@ def _group_scales(builder, e4):
     e = builder.shuffle_vector(
         builder.zext(e4, v4i), ir.Constant(v4i, ir.Undefined), ir.Constant(v16i, [i // 4 for i in range(16)])
     )
-    bits = builder.select(
-        builder.icmp_unsigned("==", e, ir.Constant(v16i, [0] * 16)),
-        ir.Constant(v16i, [1 << 22] * 16),
-        builder.shl(e, ir.Constant(v16i, [23] * 16)),
-    )
-    return builder.bitcast(bits, ir.VectorType(ir.FloatType(), 16))
+    return builder.bitcast(_ue8m0_bits(builder, e), ir.VectorType(ir.FloatType(), 16))
+
+
+def _ue8m0_bits(builder, e):
+    """UE8M0 exponents (an i32, or a vector of them) as the bits of the float32 2^(e - 127); e = 0 -> 2^-127."""
+    t = e.type
+
+    def const(v):
+        return ir.Constant(t, [v] * t.count) if isinstance(t, ir.VectorType) else ir.Constant(t, v)
+
+    return builder.select(builder.icmp_unsigned("==", e, const(0)), const(1 << 22), builder.shl(e, const(23)))
