@@ -311,8 +311,8 @@ import torch
 from leanserve.model.backends.cpu.kernels import quantized
 from leanserve.model.quant import quantize_fp4, quantize_fp8
 
-assert quantized._FP4B_1 is None and quantized._FP8B_1x1 is None
-assert (quantized._FP4_1x1 is None) == ("avx512" in sys.argv[1:])
+assert quantized._FP4B_1 is None and quantized._FP8B_1 is None
+assert (quantized._FP4_1 is None) == ("avx512" in sys.argv[1:])
 w8 = quantize_fp8(torch.randn(40, 300))
 for n in (1, 2, 5):
     x = torch.randn(n, 300)
