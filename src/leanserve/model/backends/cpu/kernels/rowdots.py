@@ -15,7 +15,8 @@ if numba is not None:
 # Bytes ahead of each weight load that the row dots ask the caches for (llvm.prefetch). A call reads a few rows of
 # 1-2 KB at short row lengths (FP8 [1024 -> ...], FP4 experts): every call starts a new 4 KB page, where the
 # hardware's stream prefetchers stop and start again, so without this the loads wait on memory.
-PREFETCH_AHEAD = 4096
+PREFETCH_AHEAD = 8192
+PREFETCH_LOCALITY = 2
 
 
 def _prefetch(builder, ptr, ahead=PREFETCH_AHEAD):
@@ -27,7 +28,7 @@ def _prefetch(builder, ptr, ahead=PREFETCH_AHEAD):
         builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
     )
     at = builder.gep(builder.bitcast(ptr, i8p), [ir.Constant(ir.IntType(64), ahead)])
-    builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+    builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, PREFETCH_LOCALITY), ir.Constant(i32, 1)])
 
 
 def _store_sums(context, builder, o_t, oa, j, accs):
