@@ -15,7 +15,7 @@ if numba is not None:
 # Bytes ahead of each weight load that the row dots ask the caches for (llvm.prefetch). A call reads a few rows of
 # 1-2 KB at short row lengths (FP8 [1024 -> ...], FP4 experts): every call starts a new 4 KB page, where the
 # hardware's stream prefetchers stop and start again, so without this the loads wait on memory.
-PREFETCH_AHEAD = 8192
+PREFETCH_AHEAD = 16384
 PREFETCH_LOCALITY = 2
 
 
