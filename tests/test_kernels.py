@@ -374,7 +374,7 @@ def test_fp4_inputs_round_to_bfloat16_as_torch_does():
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("in_features", [330, 2100, 4200])
 @pytest.mark.parametrize("big_scale", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
 def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features, bf16):
     # The few-row FP8 reader from a row that is not a multiple of 4 (its weight rows cross a 128-row scale block),
     # over whole blocks and a partial last one, every e4m3 byte, scales from 2^-127 (UE8M0 0) up, and with
@@ -382,9 +382,15 @@ def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features,
     # each output is x . W dequantized, up to float32 rounding of its sum. Rows of 330 inputs are read one at a
     # time; of 2100 and 4200 (more than SHORT_FP8_ROW) one at a time while the rows of x fit X_IN_L1, else two or
     # four at a time (both ways for each length, over the rows of x and bf16). With bf16 (Fp8Weight.inputs) the
-    # sums are those of x rounded to bfloat16 (on AVX512-BF16 the bfloat16 row dots, elsewhere and at 5 rows
-    # float32).
-    from leanserve.model.backends.cpu.kernels.quantized import SHORT_FP8_ROW, X_IN_L1, _fp8_rows_jit
+    # sums are those of x rounded to bfloat16 (on AVX512-BF16 the bfloat16 row dots up to FEW_BF16_ROWS rows of x,
+    # five to seven padded to eight, each row's sums then the same bits as alone; elsewhere and at 9 rows float32).
+    from leanserve.model.backends.cpu.kernels.quantized import (
+        _AVX512_BF16,
+        FEW_BF16_ROWS,
+        SHORT_FP8_ROW,
+        X_IN_L1,
+        _fp8_rows_jit,
+    )
     from leanserve.model.quant import Fp8Weight
 
     assert 330 <= SHORT_FP8_ROW < 2100 and 4 * 2100 <= X_IN_L1 < 4 * 4200 and X_IN_L1 < 2 * 2 * 4200
@@ -401,6 +407,11 @@ def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features,
     r0, m = 3, 250
     out = np.empty((rows, m), dtype=np.float32)
     _fp8_rows_jit(x.numpy(), q.numpy(), scale.numpy(), r0, out, rows, bf16)
+    if bf16 and _AVX512_BF16 and 4 < rows <= FEW_BF16_ROWS:
+        for t in (0, rows - 1):
+            alone = np.empty((1, m), dtype=np.float32)
+            _fp8_rows_jit(x[t : t + 1].numpy(), q.numpy(), scale.numpy(), r0, alone, 1, bf16)
+            assert np.array_equal(alone[0], out[t])
     if bf16:  # (the rounding moves a sum by about 1e-3 of its terms' size: far outside the bound)
         x = x.to(torch.bfloat16).float()
     ref = x.double() @ w[r0 : r0 + m].T

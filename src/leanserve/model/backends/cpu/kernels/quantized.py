@@ -178,6 +178,8 @@ def _fp8_walks(row_dots):
 
 _FP8_1, _FP8_2, _FP8_3, _FP8_4 = _fp8_walks(fp8_row_dots) if numba is not None else [None] * 4
 _FP8B_1, _FP8B_2, _FP8B_3, _FP8B_4 = _fp8_walks(fp8_bf16_row_dots) if numba is not None else [None] * 4
+# and eight rows of x, a weight row at a time (five to seven come padded with rows of zeros: _fp8_inputs)
+_FP8B_8 = _fp8_walk(fp8_bf16_row_dots(1, 8), 1, fp8_bf16_row_dots(1, 8)) if numba is not None else None
 _FP4_1, _FP4_2, _FP4_3, _FP4_4 = [_fp4_walk(fp4_row_dots(1, t)) for t in (1, 2, 3, 4)]  # (None without AVX-512)
 _FP4B_1, _FP4B_2, _FP4B_3, _FP4B_4 = [_fp4_walk(fp4_bf16_row_dots(t)) for t in (1, 2, 3, 4)]  # (or AVX512-BF16)
 _fp4_permuted_x_jit = _jit(fp4_permuted_x)
@@ -207,16 +209,20 @@ SHORT_FP8_ROW = 2048
 # of x (16 KB), 1.23x at two bfloat16 rows; [4096 x 8192] 1.08x at one bfloat16 row; and where x is larger, 0.67-0.77x
 # (two float32 rows of 4096, one or two of 8192).
 X_IN_L1 = 16384  # bytes
+# FP8 weights meet up to this many rows of x rounded to bfloat16 in the row dots (the MTP layer's h_proj takes its
+# four mHC streams per token: eight rows after an accepted draft). More take the dequantized blocks and tiles.
+FEW_BF16_ROWS = 8
 
 
 def _fp8_inputs(x, n, bf16):  # pragma: no cover - compiled
     # x[:n] as the bfloat16 FP8 row dots take it (fp8_bf16_x, over its whole 128-blocks) where they run: bf16 (the
-    # weight's inputs), at most 4 rows, AVX512-BF16, x contiguous; else an empty array. Made once per call of a
-    # linear and shared by its tasks (each would otherwise redo it).
+    # weight's inputs), at most FEW_BF16_ROWS rows, AVX512-BF16, x contiguous; else an empty array. Five to seven
+    # rows come padded to eight with rows of zeros (the eight-row dots). Made once per call of a linear and shared
+    # by its tasks (each would otherwise redo it).
     full = x.shape[1] // FP8_BLOCK
-    if not (bf16 and n <= 4 and _AVX512_BF16 and x.strides[1] == 4 and full > 0):
+    if not (bf16 and n <= FEW_BF16_ROWS and _AVX512_BF16 and x.strides[1] == 4 and full > 0):
         return np.empty((0, 0), dtype=np.uint16)
-    xb = np.empty((n, full * FP8_BLOCK), dtype=np.uint16)
+    xb = np.empty((n, full * FP8_BLOCK), dtype=np.uint16) if n <= 4 else np.zeros((8, full * FP8_BLOCK), np.uint16)
     _fp8_bf16_x_jit(x, xb, n)
     return xb
 
@@ -240,8 +246,14 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
             _FP8B_2(q, s, r0, xb, full, out, not one)
         elif n == 3:
             _FP8B_3(q, s, r0, xb, full, out, not one)
-        else:
+        elif n == 4:
             _FP8B_4(q, s, r0, xb, full, out, not one)
+        else:  # (five to eight: eight rows, the padding's sums dropped)
+            eight = np.empty((8, m), dtype=np.float32)
+            _FP8B_8(q, s, r0, xb, full, eight, False)
+            for t in range(n):
+                for j in range(m):
+                    out[t, j] = eight[t, j]
         if full * FP8_BLOCK < k_dim:  # (a last partial block: below, with x rounded)
             _fp8_rest(_bf16_rounded_jit(x, n), q, s, r0, out, n, full)
         return
