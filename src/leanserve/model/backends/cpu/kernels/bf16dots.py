@@ -1,10 +1,12 @@
-"""Row dot products against x rounded to bfloat16 (a weight's `inputs`, quant.py), at one to four rows of x, in
-LLVM IR on AVX512-BF16: FP4 rows by `vpermw` lookups of bfloat16 values, FP8 rows by 128-entry byte lookups
-(`vpermi2b`), both meeting x in `vdpbf16ps` (32 products per instruction). Each product of a weight's value and
+"""Row dot products against x rounded to bfloat16 (a weight's `inputs`, quant.py), at a few rows of x (FP4 one
+to four, FP8 up to eight), in LLVM IR on AVX512-BF16: FP4 rows by `vpermw` lookups of bfloat16 values, FP8 rows
+by 128-entry byte lookups (`vpermi2b`), both meeting x in `vdpbf16ps` (32 products per instruction). Each product of a weight's value and
 a bfloat16 is exact in float32; the instruction adds them in float32 (subnormal bfloat16 inputs and float32
 results read as 0)."""
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -59,16 +61,12 @@ class _BFloat(ir.types.Type if numba is not None else object):
         return hash("bfloat")
 
 
-_FP4_BF16_DOTS: dict = {}
-
-
+@functools.cache
 def fp4_bf16_row_dots(xrows: int = 1):
     """The intrinsic `dots(packed, s, row0, xb, out, j)` on AVX512-BF16: out[t, j] = sum_k W[row0, k] *
     bf16(x[t, k]) for t < xrows, W FP4 as for fp4_row_dots, xb as fp4_bf16_x writes it (uint16 [xrows, >= K
     rounded up to 128]); the rows of x share each decoded chunk."""
-    if xrows not in _FP4_BF16_DOTS and _AVX512_BF16:
-        _FP4_BF16_DOTS[xrows] = _make_fp4_bf16_dots(xrows)
-    return _FP4_BF16_DOTS.get(xrows)
+    return _make_fp4_bf16_dots(xrows) if _AVX512_BF16 else None
 
 
 def _make_fp4_bf16_dots(xrows: int):
@@ -174,17 +172,13 @@ def _e4m3_bf16_bytes() -> tuple[list[int], list[int]]:
     return [b & 0xFF for b in bits], [b >> 8 for b in bits]
 
 
-_FP8_BF16_DOTS: dict = {}
-
-
+@functools.cache
 def fp8_bf16_row_dots(rows: int, xrows: int = 1):
     """The intrinsic `dots(q, s, row0, xb, full, out, j)` on AVX512-BF16: out[t, j + r] = the float32 sum over the
     first `full` 128-blocks of row row0 + r of the FP8 weight (q bytes, s UE8M0 grid) times bf16(x[t]), for r <
     rows and t < xrows; xb as fp8_bf16_x writes it; the rows in one 128-row scale block; the rows share the loads
     of x, the rows of x each decoded chunk."""
-    if (rows, xrows) not in _FP8_BF16_DOTS and _AVX512_BF16:
-        _FP8_BF16_DOTS[(rows, xrows)] = _make_fp8_bf16_dots(rows, xrows)
-    return _FP8_BF16_DOTS.get((rows, xrows))
+    return _make_fp8_bf16_dots(rows, xrows) if _AVX512_BF16 else None
 
 
 def _make_fp8_bf16_dots(rows: int, xrows: int):

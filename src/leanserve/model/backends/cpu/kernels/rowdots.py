@@ -4,6 +4,8 @@ bfloat16 inputs are in bf16dots.py."""
 
 from __future__ import annotations
 
+import functools
+
 from leanserve.model.backends.cpu.kernels.base import numba
 from leanserve.model.backends.cpu.kernels.simd import _lanes_sum, _splat
 from leanserve.model.quant import FP4_VALUES, FP8_BLOCK
@@ -45,9 +47,7 @@ def _store_sums(context, builder, o_t, oa, j, accs):
         builder.store(_lanes_sum(builder, builder.load(accs[(r, t)])), op)
 
 
-_FP8_DOTS: dict = {}
-
-
+@functools.cache
 def fp8_row_dots(rows: int, xrows: int = 1):
     """The intrinsic `dots(q, s, row0, x, full, out, j)`: out[t, j + r] = the float32 sum over the first `full`
     128-blocks of row row0 + r of the FP8 weight (q bytes, s UE8M0 grid) times x[t], for r < rows and t < xrows;
@@ -57,9 +57,7 @@ def fp8_row_dots(rows: int, xrows: int = 1):
     and masked) and multiplied into two running sums per lane over the whole row (no per-block step); the lanes
     summed at the end. The rows share each block's loads of x, the rows of x each decoded weight vector; each
     entry's arithmetic is the same for any `rows` and `xrows`."""
-    if (rows, xrows) not in _FP8_DOTS and numba is not None:
-        _FP8_DOTS[(rows, xrows)] = _make_fp8_dots(rows, xrows)
-    return _FP8_DOTS.get((rows, xrows))
+    return _make_fp8_dots(rows, xrows) if numba is not None else None
 
 
 def _make_fp8_dots(rows: int, xrows: int):
@@ -159,18 +157,14 @@ def fp4_permuted_x(x, xp, n):  # pragma: no cover - compiled (jitted in quantize
                     xp[t, c0 + 16 * p + i] = x[t, k] if k < k_dim else 0.0
 
 
-_FP4_DOTS: dict = {}
-
-
+@functools.cache
 def fp4_row_dots(rows: int, xrows: int = 1):
     """The intrinsic `dots(packed, s, row0, xp, out, j)` on AVX-512: out[t, j + r] = sum_k W[row0 + r, k] *
     x[t, k] for r < rows and t < xrows, W FP4 (packed [J, K / 2] uint8 with K a multiple of 32, s [J, K / 32]
     UE8M0; last dimensions contiguous), x as fp4_permuted_x writes it (xp [xrows, >= K rounded up to 128]); the
     rows share the loads of x, the rows of x each decoded chunk; each entry's arithmetic the same for any `rows`
     and `xrows`."""
-    if (rows, xrows) not in _FP4_DOTS and _AVX512:
-        _FP4_DOTS[(rows, xrows)] = _make_fp4_dots(rows, xrows)
-    return _FP4_DOTS.get((rows, xrows))
+    return _make_fp4_dots(rows, xrows) if _AVX512 else None
 
 
 def _make_fp4_dots(rows: int, xrows: int):

@@ -3,6 +3,8 @@ in every shape (batch invariance), and the IR helpers the row dot products (rowd
 
 from __future__ import annotations
 
+import functools
+
 from leanserve.model.backends.cpu.kernels.base import numba
 
 if numba is not None:
@@ -41,16 +43,11 @@ def _splat(builder, v, width=16):
 # pass would set it on every instruction of the function). A row of a step therefore gets the same output whether
 # it is computed alone, as the tail of a batch or inside a 4-row tile (batch invariance); the shapes only trade
 # registers for loads (a tile's R x C chains keep the multiply-add units busy).
-_TILES: dict = {}
-
-
+@functools.cache
 def tile_dot(rows: int, cols: int):
     """The intrinsic `tile(x, w, out, t, j)` for a tile of `rows` rows of x (float32 [N, K], last dimension
     contiguous) and `cols` rows of w ([J, K] float32 or uint16 bfloat16 bits, last dimension contiguous)."""
-    key = (rows, cols)
-    if key not in _TILES and numba is not None:
-        _TILES[key] = _make_tile(rows, cols)
-    return _TILES.get(key)
+    return _make_tile(rows, cols) if numba is not None else None
 
 
 def _make_tile(rows: int, cols: int):
