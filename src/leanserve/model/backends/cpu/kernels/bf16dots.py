@@ -78,7 +78,7 @@ def _make_fp4_bf16_dots(xrows: int):
             pk_t, s_t, _, xb_t, o_t, _ = signature.args
             pk, sc, xa, oa, row, j_ = _fp4_operands(context, builder, signature, args)
             f32, i16, i8 = ir.FloatType(), ir.IntType(16), ir.IntType(8)
-            v16f, v32h, v4b, v32bf = (ir.VectorType(t, n) for t, n in ((f32, 16), (i16, 32), (i8, 4), (_BFloat(), 32)))
+            v16f, v32h, v32bf = (ir.VectorType(t, n) for t, n in ((f32, 16), (i16, 32), (_BFloat(), 32)))
             intp = context.get_value_type(numba.types.intp)
             fast = ("contract",)
             zeros = ir.Constant(v16f, [0.0] * 16)
@@ -96,21 +96,27 @@ def _make_fp4_bf16_dots(xrows: int):
             totals = {(0, t): cgutils.alloca_once_value(builder, zeros) for t in range(xrows)}
             lanes32, lanes4 = _tail_lanes(builder, left, 32)  # (8 words, 16 bytes of codes, per group)
 
-            def chunk(c, tail):  # chunk c of the row; `tail`: the last one, of `left` groups
-                bp = cgutils.get_item_pointer(
-                    context, builder, pk_t, pk, [row, builder.mul(c, ir.Constant(intp, 64))], wraparound=False
-                )
+            def scales(c, count, lanes=None):  # the scale bytes of chunks c .. c + count // 4 - 1, or masked
                 sp = cgutils.get_item_pointer(
                     context, builder, s_t, sc, [row, builder.mul(c, ir.Constant(intp, 4))], wraparound=False
                 )
+                vt = ir.VectorType(i8, count)
+                if lanes is not None:
+                    return _masked_load(builder, sp, vt, lanes)
+                return builder.load(builder.bitcast(sp, vt.as_pointer()), align=1)
+
+            def chunk(c, tail, sv=None):  # chunk c of the row; `tail`: the last one, of `left` groups; sv: its scales
+                bp = cgutils.get_item_pointer(
+                    context, builder, pk_t, pk, [row, builder.mul(c, ir.Constant(intp, 64))], wraparound=False
+                )
                 if tail:
                     codes = _masked_load(builder, bp, v32h, lanes32)
-                    e4 = _masked_load(builder, sp, v4b, lanes4)
+                    sv = _group_scales(builder, scales(c, 4, lanes4))
                 else:
                     _prefetch(builder, bp)
                     codes = builder.load(builder.bitcast(bp, v32h.as_pointer()), align=1)
-                    e4 = builder.load(builder.bitcast(sp, v4b.as_pointer()), align=1)
-                sv = _group_scales(builder, e4)
+                    if sv is None:
+                        sv = _group_scales(builder, scales(c, 4))
                 parts = [zeros] * xrows
                 for p in range(4):
                     idx = codes if p == 0 else builder.lshr(codes, ir.Constant(v32h, [4 * p] * 32))
@@ -128,8 +134,15 @@ def _make_fp4_bf16_dots(xrows: int):
                         builder.fadd(builder.load(total), builder.fmul(parts[t], sv, flags=fast), flags=fast), total
                     )
 
-            with cgutils.for_range(builder, full) as loop:
-                chunk(loop.index, False)
+            quads = builder.mul(builder.udiv(full, ir.Constant(intp, 4)), ir.Constant(intp, 4))
+            with cgutils.for_range_slice(builder, ir.Constant(intp, 0), quads, ir.Constant(intp, 4)) as (c0, _):
+                both = _group_scales(builder, scales(c0, 16))  # four chunks' scales in one load
+                for q in range(4):
+                    lanes = ir.Constant(ir.VectorType(ir.IntType(32), 16), [4 * q + i // 4 for i in range(16)])
+                    sv = builder.shuffle_vector(both, ir.Constant(v16f, ir.Undefined), lanes)
+                    chunk(builder.add(c0, ir.Constant(intp, q)), False, sv)
+            with cgutils.for_range_slice(builder, quads, full, ir.Constant(intp, 1)) as (c, _):
+                chunk(c, False)
             with builder.if_then(builder.icmp_unsigned("!=", left, ir.Constant(ir.IntType(32), 0))):
                 chunk(full, True)
             _store_sums(context, builder, o_t, oa, j_, totals)

@@ -285,14 +285,14 @@ def _tail_lanes(builder, left, count):
     return codes, builder.icmp_unsigned("<", ir.Constant(v4i, [0, 1, 2, 3]), _splat(builder, left, 4))
 
 
-def _group_scales(builder, e4):
-    """A chunk's 4 UE8M0 scale bytes (<4 x i8>) as the <16 x float> of lane i's group's scale (i // 4): 2^(e -
-    127), e = 0 -> 2^-127."""
+def _group_scales(builder, e):
+    """UE8M0 scale bytes as the <16 x float> of 2^(e - 127) (e = 0 -> 2^-127): a chunk's 4 (<4 x i8>) each spread
+    over its group's lanes (lane i gets byte i // 4), or four chunks' 16 (<16 x i8>) one a lane."""
     i32 = ir.IntType(32)
-    v16i, v4i = ir.VectorType(i32, 16), ir.VectorType(i32, 4)
-    e = builder.shuffle_vector(
-        builder.zext(e4, v4i), ir.Constant(v4i, ir.Undefined), ir.Constant(v16i, [i // 4 for i in range(16)])
-    )
+    v16i, count = ir.VectorType(i32, 16), e.type.count
+    e = builder.zext(e, ir.VectorType(i32, count))
+    if count == 4:
+        e = builder.shuffle_vector(e, ir.Constant(e.type, ir.Undefined), ir.Constant(v16i, [i // 4 for i in range(16)]))
     return builder.bitcast(_ue8m0_bits(builder, e), ir.VectorType(ir.FloatType(), 16))
 
 
