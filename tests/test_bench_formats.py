@@ -99,3 +99,23 @@ def test_the_kernel_profile_counts_fp8_linears_bytes(tmp_path, fp8_inputs):
         assert wq_b[0] % 3 == 0 and wq_b[2] == wq_b[0] * weight_bytes(attn.wq_b.w())
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("argv", "row"),
+    [
+        ([], "published"),
+        (["--fp8-inputs", "bfloat16"], "published, bf16 inputs"),
+        (["--fp4-inputs", "float32"], "published"),
+    ],
+)
+def test_the_profile_names_the_row_it_times(argv, row):
+    """`--profile` times the bfloat16-inputs row when the options ask for one, and its heading says which."""
+    import argparse
+
+    from leanserve.bench.formats import add_arguments, profiled_row
+    from leanserve.bench.options import inputs_of
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert profiled_row(inputs_of(parser.parse_args(argv))) == row

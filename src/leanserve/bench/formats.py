@@ -270,7 +270,8 @@ def formats_bench(
 ) -> tuple[list[FormatRow], list[str]]:
     """(rows, notes): decode tok/s of the published and bf16 checkpoints of bench_config's model at each batch
     size, with the batch-1 bytes per token, GB/s and share of the measured memory bandwidth. `profile`, a list:
-    the published format's batch-1 step kernel by kernel is appended to it (bench/profile.py), after the timings.
+    the batch-1 step of the profiled row (profiled_row) kernel by kernel is appended to it (bench/profile.py),
+    after the timings.
     `inputs` (EngineConfig's fp4_inputs / fp8_inputs) with a bfloat16: the published checkpoint also with those
     weights meeting bfloat16 inputs (a third row, timed with the other two, and the one profiled)."""
     root = Path(root)
@@ -312,7 +313,7 @@ def formats_bench(
             bws.append(memory_bandwidth())
             reads += BANDWIDTH_REPEATS
             peaks.append(kernel_peak_gflops())
-        profiled = BF16_INPUTS if BF16_INPUTS in formats else "published"
+        profiled = profiled_row(inputs)
         if profile is not None and profiled in runners:
             profile += _profile(runners[profiled], prompt_len, rounds)
         del runners
@@ -358,6 +359,11 @@ def formats_bench(
     return rows, notes
 
 
+def profiled_row(inputs: dict[str, str] | None) -> str:
+    """The row that `--profile` times kernel by kernel: the one with bfloat16 inputs when there is one."""
+    return BF16_INPUTS if inputs and inputs != FLOAT32_INPUTS else "published"
+
+
 def _profile(runner, prompt_len: int, rounds: int) -> list:
     from leanserve.bench.profile import kernel_profile, profile_rows
 
@@ -394,7 +400,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--batch-sizes", type=int_list, default=[1, 8])
     p.add_argument("--rounds", type=int, default=20, help="decode steps per format and batch size")
-    p.add_argument("--profile", action="store_true", help="also: the published format's batch-1 step, kernel by kernel")
+    p.add_argument(
+        "--profile", action="store_true", help="also: the published format's batch-1 step (the third row's with "
+        "--fp4-inputs / --fp8-inputs bfloat16), kernel by kernel"
+    )  # fmt: skip
     p.add_argument("--mtp", action="store_true", help="give the model Flash's MTP layer (for bench spec-cost --model)")
     p.add_argument("--peer", choices=PEERS, default=None, help="also: a peer engine's batch-1 decode (bench/peer.py)")
     p.add_argument("--peer-converter", default=None, help="--peer llama.cpp: its convert_hf_to_gguf.py (or its dir)")
@@ -428,7 +437,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"# {line}")
         print_rows(rows, args.output, FORMAT_HEADERS)
         if profile:
-            print("# the published format's batch-1 step, kernel by kernel (wall-clock time of each call)")
+            print(
+                f"# the batch-1 step of '{profiled_row(inputs_of(args))}', kernel by kernel (wall-clock time of each call)"
+            )
             print_rows(profile, "table", PROFILE_HEADERS)
         if converter:
             print(f"# the peer, {args.peer}: batch-1 decode of the same published checkpoint")
