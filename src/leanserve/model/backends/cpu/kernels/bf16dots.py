@@ -34,7 +34,8 @@ if numba is not None:
 # word i holding values 4i .. 4i + 3, one per nibble; nibble p of every word is one shift and one 32-entry lookup
 # of bfloat16 bits (vpermw, which reads an index's low 5 bits: the table holds the 16 values twice) away from 32
 # values, which meet x's bfloat16 in `vdpbf16ps`: lane l of the float32 sum gets the products of words 2l and
-# 2l + 1, values 8l + p and 8l + 4 + p, of group l // 4 as in fp4_row_dots. Each product of two bfloat16 numbers
+# 2l + 1, values 8l + p and 8l + 4 + p, of group l // 4 as in fp4_row_dots (a row's scale bytes are loaded four
+# chunks at a time, one shuffle spreading each chunk's over its lanes). Each product of two bfloat16 numbers
 # is exact in float32; the instruction adds them in float32 (subnormal bfloat16 inputs and float32 results read
 # as 0). x comes rounded and permuted once per call (fp4_bf16_x: its element 4i + p of a chunk at 32p + i).
 def fp4_bf16_x(x, xb, n):  # pragma: no cover - compiled (jitted in quantized.py)
