@@ -324,8 +324,9 @@ def _fp4_rows(x, packed, s, out, n, bf16):  # pragma: no cover - compiled
     # i), s [J, K / 32] UE8M0 exponents; with `bf16`, x rounded to bfloat16 first (Fp4Weight.inputs)
     m, half = out.shape[1], packed.shape[1]
     step = FP4_GROUP // 2
+    padded = (2 * half + FP4_CHUNK - 1) // FP4_CHUNK * FP4_CHUNK  # (x's length rounded up to whole chunks)
     if bf16 and n <= 4 and _AVX512_BF16:  # x rounded and permuted once (fp4_bf16_x), then a row at a time
-        xb = np.empty((n, (2 * half + FP4_CHUNK - 1) // FP4_CHUNK * FP4_CHUNK), dtype=np.uint16)
+        xb = np.empty((n, padded), dtype=np.uint16)
         _fp4_bf16_x_jit(x, xb, n)
         if n == 1:
             _FP4B_1(packed, s, xb, out, m)
@@ -340,7 +341,7 @@ def _fp4_rows(x, packed, s, out, n, bf16):  # pragma: no cover - compiled
         x = _bf16_rounded_jit(x, n)
     if n <= 4 and _AVX512:  # a few rows: x permuted once (fp4_permuted_x), then a weight row at a time, each
         # decoded chunk meeting every row of x
-        xp = np.empty((n, (2 * half + FP4_CHUNK - 1) // FP4_CHUNK * FP4_CHUNK), dtype=np.float32)
+        xp = np.empty((n, padded), dtype=np.float32)
         _fp4_permuted_x_jit(x, xp, n)
         if n == 1:
             _FP4_1(packed, s, xp, out, m)
