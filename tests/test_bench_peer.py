@@ -136,3 +136,18 @@ def test_a_checkpoint_with_rates_llama_cpp_cannot_load_is_refused_before_convers
 
 def _must_not_run(*args, **kwargs):
     raise AssertionError("a checkpoint was made before the peer's check")
+
+
+def test_llama_cpp_gets_its_extra_weight_buffers_except_on_a_host_with_amx():
+    assert peer.extra_buffers({"avx512f": True, "avx512bf16": True})
+    assert not peer.extra_buffers({"avx512f": True, "amx-tile": True})
+
+
+def test_the_model_params_hold_the_fields_only_inside_the_block():
+    llama_cpp = pytest.importorskip("llama_cpp")
+    assert llama_cpp.llama_model_default_params().use_extra_bufts
+    with peer._model_params(use_extra_bufts=False):
+        from llama_cpp import llama as llama_module
+
+        assert not llama_module.llama_cpp.llama_model_default_params().use_extra_bufts
+    assert llama_cpp.llama_model_default_params().use_extra_bufts

@@ -15,6 +15,7 @@ a tokenizer it does not know. Every tensor is converted by the converter's own c
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -244,6 +245,44 @@ class _LlamaDecoder:
         return time.perf_counter() - start
 
 
+NO_EXTRA_BUFFERS = (
+    "this host has AMX, and with them llama.cpp's scheduler stops on this model (GGML_ASSERT(*cur_backend_id != -1) "
+    "in ggml_backend_sched_split_graph, llama-cpp-python 0.3.36)"
+)
+
+
+def extra_buffers(features: dict[str, bool] | None = None) -> bool:
+    """Whether llama.cpp gets its extra weight buffer types (its default): not on a host with AMX (NO_EXTRA_BUFFERS).
+    `features`: the host's as llvmlite names them (get_host_cpu_features), by default this one's."""
+    if features is None:
+        import llvmlite.binding as llvm
+
+        features = dict(llvm.get_host_cpu_features())
+    return not features.get("amx-tile", False)
+
+
+@contextlib.contextmanager
+def _model_params(**fields):
+    """llama_cpp.Llama with `fields` set in its llama_model_params, which its constructor does not take: the default
+    params it starts from are given the fields while the block runs."""
+    from llama_cpp import llama as llama_module
+
+    raw = llama_module.llama_cpp  # (the ctypes bindings, where the constructor looks the defaults up)
+    default = raw.llama_model_default_params
+
+    def params():
+        p = default()
+        for name, value in fields.items():
+            setattr(p, name, value)
+        return p
+
+    raw.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        raw.llama_model_default_params = default
+
+
 def teacher_forced(llm, tokens: Sequence[int], first: int) -> list[int]:
     """llama.cpp's argmax at each position from `first` on, with `tokens` as its input (one pass)."""
     import numpy as np
@@ -277,10 +316,12 @@ def peer_bench(
     max_len = prompt_len + max(rounds + 2, agree_tokens) + 8
     n_ctx = -(-max_len // 256) * 256
     runner = stage_runner(published, 1, max_len, **(inputs or {}))
-    llm = llama_cpp.Llama(
-        str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
-        verbose=False,
-    )  # fmt: skip
+    extra = extra_buffers()
+    with _model_params(use_extra_bufts=extra):
+        llm = llama_cpp.Llama(
+            str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
+            verbose=False,
+        )  # fmt: skip
     ours, theirs = GreedyDecoder(runner, 1, prompt_len), _LlamaDecoder(llm, prompt_len)
     fed, produced = [], []  # leanserve's input and greedy token at each step
 
@@ -311,6 +352,8 @@ def peer_bench(
         f"by {converter}; both on {threads} threads, the same {prompt_len}-token prompt (context room: llama.cpp "
         f"{n_ctx} tokens, leanserve {max_len}), batch 1, steps alternating, {rounds} per engine after 2 warm-up, "
         "medians",
+        "llama.cpp's extra weight buffers (AMX, repacked layouts): "
+        + ("on (its default)" if extra else f"off: {NO_EXTRA_BUFFERS}"),
         f"agreement: llama.cpp fed leanserve's {len(fed)} decode inputs after the prompt in one pass; its argmax "
         f"equals leanserve's greedy token at {round(agree * len(fed))} of {len(fed)} positions (random weights: "
         "near-ties are common)",
