@@ -59,14 +59,20 @@ def test_bfloat16_inputs_give_the_torch_backends_tokens(case, wide_pub, fp8_expe
             path, ids_of, backend="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **options
         ),
     }
-    # Tokens equal. Logprobs: 9 in 10 within 0.02 (0.006-0.014 measured), all within 0.25 (0.16 measured, once): the
+    # Tokens equal, but for at most one sequence of a run, which may part from the reference at one near-tie of
+    # these random weights and follow its own path after it: a relative change of 1e-6 to the torch backend's
+    # bfloat16 inputs flips such a token (measured on the fp8 experts' 33-token prompt, Intel Emerald Rapids, where
+    # torch's float32 sums differ from the AMD host's in their last bits). Logprobs up to and at the first
+    # difference: 9 in 10 within 0.02 (0.006-0.014 measured), all within 0.25 (0.22 measured at that flip): the
     # backends' float32 sums differ in their last bits (1e-6), and an input that lands near the midpoint of two
     # bfloat16 numbers can round to either, 2^-9 of its size, which now and then moves a later logprob further.
     for name, outs in runs.items():
-        gaps = []
+        gaps, parted = [], 0
         for (want, want_lp), (got, got_lp) in zip(ref, outs, strict=True):
-            assert got == want, name
-            gaps += [abs(a - b) for a, b in zip(want_lp, got_lp, strict=True)]
+            same = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), len(want))
+            parted += same < len(want)
+            gaps += [abs(a - b) for a, b in zip(want_lp[: same + 1], got_lp[: same + 1], strict=True)]
+        assert parted <= 1, (name, parted)
         assert max(gaps) < 0.25 and sorted(gaps)[len(gaps) * 9 // 10] < 2e-2, (name, max(gaps))
     # Both backends honour the option: float32 inputs give other logprobs (runs are deterministic: equal ones would
     # be bit for bit)
