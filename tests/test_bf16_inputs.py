@@ -61,8 +61,8 @@ def test_bfloat16_inputs_give_the_torch_backends_tokens(case, wide_pub, fp8_expe
     }
     # Tokens equal, but for at most one sequence of a run, which may part from the reference at one near-tie of
     # these random weights and follow its own path after it: a relative change of 1e-6 to the torch backend's
-    # bfloat16 inputs flips such a token (measured on the fp8 experts' 33-token prompt, Intel Emerald Rapids, where
-    # torch's float32 sums differ from the AMD host's in their last bits). Logprobs up to and at the first
+    # bfloat16 inputs flips such a token (measured on the fp8 experts' 33-token prompt on an Intel Emerald Rapids
+    # host; on the AMD hosts every sequence was equal). Logprobs up to and at the first
     # difference: 9 in 10 within 0.02 (0.006-0.014 measured), all within 0.25 (0.22 measured at that flip): the
     # backends' float32 sums differ in their last bits (1e-6), and an input that lands near the midpoint of two
     # bfloat16 numbers can round to either, 2^-9 of its size, which now and then moves a later logprob further.
