@@ -119,3 +119,14 @@ def test_the_profile_names_the_row_it_times(argv, row):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert profiled_row(inputs_of(parser.parse_args(argv))) == row
+
+
+def test_a_batch_decodes_different_prompts_and_slot_0_the_peers():
+    from leanserve.bench.common import varied_prompts
+
+    prompts = varied_prompts(8, 16, 5888)
+    assert len(prompts) == 8 and all(len(p) == 17 for p in prompts)
+    assert prompts[0] == list(range(3, 19)) + [5]  # (bench/peer.py gives llama.cpp this prompt)
+    assert len({tuple(p) for p in prompts}) == 8  # (the same prompt would route every token to the same experts)
+    assert all(3 <= t < 5888 for p in prompts for t in p)
+    assert varied_prompts(2, 16, 5888) == prompts[:2]

@@ -87,13 +87,24 @@ def mtp_runner(
     )  # fmt: skip
 
 
-def prefill(runner, batch: int, prompt_len: int, next_tokens: tuple[int, ...] = ()) -> None:
-    """Writes one `prompt_len`-token prompt into each of the runner's slots 0..batch-1: no sampling, no proposal."""
+def prefill(runner, batch: int, prompt_len: int, next_tokens: tuple[int, ...] = (), prompts=None) -> None:
+    """Writes one `prompt_len`-token prompt into each of the runner's slots 0..batch-1: no sampling, no proposal.
+    `prompts`: each slot's token ids; by default tokens 3 .. 3 + prompt_len in every slot."""
     from leanserve.engine.runner import StepPlan
     from leanserve.model.batch import Chunk
 
-    chunks = tuple(Chunk(s, 0, tuple(range(3, 3 + prompt_len))) for s in range(batch))
+    rows = prompts if prompts is not None else [range(3, 3 + prompt_len)] * batch
+    chunks = tuple(Chunk(s, 0, tuple(rows[s][:prompt_len])) for s in range(batch))
     runner.execute(StepPlan(chunks, (), (), next_tokens), propose=False)
+
+
+def varied_prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    """Each slot's prompt and first token (prompt_len + 1 ids): slot 0 tokens 3 .. 3 + prompt_len and then 5 (the
+    prompt bench/peer.py gives llama.cpp too), the others seeded random ids. So a batch's sequences differ and
+    their tokens route to different experts, as a server's requests do; the same prompt in every slot would send
+    every token of a step to the same experts."""
+    others = random_prompts(batch, prompt_len + 1, vocab, 1).tolist()
+    return [list(range(3, 3 + prompt_len)) + [5]] + others[1:batch]
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tensor:
@@ -123,12 +134,14 @@ def stage_runner(
 
 
 class GreedyDecoder:
-    """Greedy decode of `batch` sequences on a runner, one step per call (each sampled token fed back)."""
+    """Greedy decode of `batch` sequences on a runner, one step per call (each sampled token fed back), from the
+    prompts varied_prompts gives."""
 
     def __init__(self, runner, batch: int, prompt_len: int) -> None:
-        prefill(runner, batch, prompt_len)
+        prompts = varied_prompts(batch, prompt_len, runner.cfg.vocab_size)
+        prefill(runner, batch, prompt_len, prompts=prompts)
         self.runner, self.batch, self.position, self.steps = runner, batch, prompt_len, 0
-        self.tokens = [5] * batch
+        self.tokens = [p[prompt_len] for p in prompts]
 
     def __call__(self) -> float:
         from leanserve.engine.runner import SampleSpec, StepPlan
