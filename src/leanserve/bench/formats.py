@@ -279,7 +279,7 @@ def formats_bench(
     flash = ModelConfig.from_json_file(FLASH_CONFIG)
     dirs = make_checkpoints(root, cfg, seed, log)
     inputs = inputs or FLOAT32_INPUTS
-    formats = FORMATS + ((BF16_INPUTS,) if inputs != FLOAT32_INPUTS else ())
+    formats = rows_of(inputs)
     dirs[BF16_INPUTS] = dirs["published"]  # (the third row loads the published files again)
     sizes = {f: sum(p.stat().st_size for p in dirs[f].glob("*.safetensors")) for f in formats}
     available = _mem_available()
@@ -359,9 +359,14 @@ def formats_bench(
     return rows, notes
 
 
+def rows_of(inputs: dict[str, str] | None) -> tuple[str, ...]:
+    """The rows the bench times: FORMATS, and BF16_INPUTS where `inputs` (fp4_inputs / fp8_inputs) ask for bfloat16."""
+    return FORMATS + ((BF16_INPUTS,) if inputs and inputs != FLOAT32_INPUTS else ())
+
+
 def profiled_row(inputs: dict[str, str] | None) -> str:
     """The row that `--profile` times kernel by kernel: the one with bfloat16 inputs when there is one."""
-    return BF16_INPUTS if inputs and inputs != FLOAT32_INPUTS else "published"
+    return BF16_INPUTS if BF16_INPUTS in rows_of(inputs) else "published"
 
 
 def _profile(runner, prompt_len: int, rounds: int) -> list:
