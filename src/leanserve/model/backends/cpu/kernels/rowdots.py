@@ -1,6 +1,6 @@
-"""Row dot products for weights read as stored at one to four rows of x (decode, verification), written in LLVM
-IR: FP8 rows as 16-byte vectors; FP4 rows on AVX-512 by a 16-entry table lookup (`vpermps`). Those against
-bfloat16 inputs are in bf16dots.py."""
+"""Row dot products for weights read as stored at a few rows of x (decode, verification), written in LLVM IR: FP8
+rows as 16-byte vectors (one to four rows of x a call), FP4 rows on AVX-512 by a 16-entry table lookup (`vpermps`).
+Those against bfloat16 inputs are in bf16dots.py."""
 
 from __future__ import annotations
 
@@ -49,31 +49,31 @@ def _store_sums(context, builder, o_t, oa, j, accs):
 
 @functools.cache
 def fp8_row_dots(rows: int, xrows: int = 1):
-    """The intrinsic `dots(q, s, row0, x, full, out, j)`: out[t, j + r] = the float32 sum over the first `full`
-    128-blocks of row row0 + r of the FP8 weight (q bytes, s UE8M0 grid) times x[t], for r < rows and t < xrows;
-    q's and x's last dimensions contiguous, the rows in one 128-row scale block, its scales at most RAW_SCALE_MAX.
-    In vector registers: per block, x's 8 vectors of 16 times the block's scale times 2^120 (one exact power of
-    two, shared by the rows), each row's 8 vectors of 16 bytes decoded as _e4m3_raw (a sign-extended byte shifted
-    and masked) and multiplied into two running sums per lane over the whole row (no per-block step); the lanes
-    summed at the end. The rows share each block's loads of x, the rows of x each decoded weight vector; each
-    entry's arithmetic is the same for any `rows` and `xrows`."""
+    """The intrinsic `dots(q, row0, xs, full, out, j)`: out[t, j + r] = the float32 sum over the first `full`
+    128-blocks of row row0 + r of the FP8 weight (q bytes) times x[t], for r < rows and t < xrows; xs = x times
+    the rows' scale block's scales times 2^120 (quantized._fp8_scaled_x: exact powers of two, so each product is
+    the exact one), q's and xs' last dimensions contiguous, the rows in one 128-row scale block. In vector
+    registers: each row's 8 vectors of 16 bytes a block decoded as _e4m3_raw (a sign-extended byte shifted and
+    masked) and multiplied into two running sums per lane over the whole row (no per-block step); the lanes summed
+    at the end. The rows share each load of xs, the rows of x each decoded weight vector; each entry's arithmetic
+    is the same for any `rows` and `xrows`."""
     return _make_fp8_dots(rows, xrows) if numba is not None else None
 
 
 def _make_fp8_dots(rows: int, xrows: int):
     @numba.extending.intrinsic
-    def dots(typingctx, q, s, row0, x, full, out, j):
+    def dots(typingctx, q, row0, xs, full, out, j):
         from numba.core import cgutils
 
         def codegen(context, builder, signature, args):
-            q_t, s_t, _, x_t, _, o_t, _ = signature.args
-            qa, sa, xa, oa, row0_, full_, j_ = _fp8_operands(context, builder, signature, args)
-            f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
-            v16f, v16i, v16b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
+            q_t, _, x_t, _, o_t, _ = signature.args
+            qa, xa, oa = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 4)]
+            row0_, full_, j_ = args[1], args[3], args[5]
+            i32, i8 = ir.IntType(32), ir.IntType(8)
+            v16f, v16i, v16b = ir.VectorType(ir.FloatType(), 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
             intp = context.get_value_type(numba.types.intp)
             fast = ("contract",)
             row = [builder.add(row0_, ir.Constant(intp, r)) for r in range(rows)]
-            srow = builder.udiv(row0_, ir.Constant(intp, FP8_BLOCK))  # (every row's: the caller keeps them in one)
             pairs = [(r, t) for r in range(rows) for t in range(xrows)]
             chains = {
                 (p, c): cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
@@ -83,21 +83,15 @@ def _make_fp8_dots(rows: int, xrows: int):
 
             with cgutils.for_range(builder, full_) as loop:
                 base = builder.mul(loop.index, ir.Constant(intp, FP8_BLOCK))
-                sp = cgutils.get_item_pointer(context, builder, s_t, sa, [srow, loop.index], wraparound=False)
-                e = builder.zext(builder.load(sp), i32)  # UE8M0 e <= RAW_SCALE_MAX: 2^(e - 127) * 2^120, exactly
-                scale = _splat(
-                    builder,
-                    builder.bitcast(builder.shl(builder.add(e, ir.Constant(i32, 120)), ir.Constant(i32, 23)), f32),
-                )
                 accs = {p: [builder.load(chains[(p, 0)]), builder.load(chains[(p, 1)])] for p in pairs}
                 for v in range(FP8_BLOCK // 16):
                     k = builder.add(base, ir.Constant(intp, 16 * v))
                     xvs = []
-                    for t in range(xrows):  # x times the block's scale (a power of two), shared by the rows
+                    for t in range(xrows):  # (x times the block's scale: _fp8_scaled_x)
                         xp = cgutils.get_item_pointer(
                             context, builder, x_t, xa, [ir.Constant(intp, t), k], wraparound=False
                         )
-                        xvs.append(builder.fmul(builder.load(builder.bitcast(xp, v16f.as_pointer()), align=4), scale))
+                        xvs.append(builder.load(builder.bitcast(xp, v16f.as_pointer()), align=4))
                     for r in range(rows):
                         qp = cgutils.get_item_pointer(context, builder, q_t, qa, [row[r], k], wraparound=False)
                         if v % 4 == 0:  # (once per 64-byte line)
@@ -121,7 +115,7 @@ def _make_fp8_dots(rows: int, xrows: int):
             _store_sums(context, builder, o_t, oa, j_, totals)
             return context.get_dummy_value()
 
-        return numba.types.void(q, s, row0, x, full, out, j), codegen
+        return numba.types.void(q, row0, xs, full, out, j), codegen
 
     return dots
 
