@@ -374,7 +374,7 @@ def test_fp4_inputs_round_to_bfloat16_as_torch_does():
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("in_features", [330, 2100, 4200])
 @pytest.mark.parametrize("big_scale", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])
 def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features, bf16):
     # The few-row FP8 reader from a row that is not a multiple of 4 (its weight rows cross a 128-row scale block),
     # over whole blocks and a partial last one, every e4m3 byte, scales from 2^-127 (UE8M0 0) up, and with
@@ -383,9 +383,11 @@ def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features,
     # time; of 2100 and 4200 (more than SHORT_FP8_ROW) one at a time while the rows of x fit X_IN_L1, else two or
     # four at a time (both ways for each length, over the rows of x and bf16). With bf16 (Fp8Weight.inputs) the
     # sums are those of x rounded to bfloat16 (on AVX512-BF16 the bfloat16 row dots up to FEW_BF16_ROWS rows of x,
-    # elsewhere float32). Up to eight rows of x (five to seven padded to eight) each row's sums are the same bits
-    # as alone; at 9 rows the dequantized blocks and tiles run.
+    # elsewhere float32). Up to FEW_FP8_ROWS rows of x (four at a time, the last four padded) each row's sums are
+    # the same bits as alone, but for bf16 on AVX512-BF16 beyond FEW_BF16_ROWS (float32 sums of the rounded x).
     from leanserve.model.backends.cpu.kernels.quantized import (
+        _AVX512_BF16,
+        FEW_BF16_ROWS,
         SHORT_FP8_ROW,
         X_IN_L1,
         _fp8_rows_jit,
@@ -406,7 +408,7 @@ def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features,
     r0, m = 3, 250
     out = np.empty((rows, m), dtype=np.float32)
     _fp8_rows_jit(x.numpy(), q.numpy(), scale.numpy(), r0, out, rows, bf16)
-    if 4 < rows <= 8:
+    if rows > 4 and not (bf16 and _AVX512_BF16 and rows > FEW_BF16_ROWS):
         for t in (0, rows - 1):
             alone = np.empty((1, m), dtype=np.float32)
             _fp8_rows_jit(x[t : t + 1].numpy(), q.numpy(), scale.numpy(), r0, alone, 1, bf16)
@@ -422,7 +424,7 @@ def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features,
 @pytest.mark.parametrize(("out_features", "in_features"), [(256, 384), (300, 200), (41, 64), (64, 1152)])
 def test_fp8_linear_matches_torch(rows, out_features, in_features):
     # FP8 weights are dequantized in registers: the same sums as the float32 kernel on the dequantized weight
-    # (exactly, but for one to eight rows), and torch's matmul on it up to float32 summation order. One call may
+    # (exactly, but for one to sixteen rows), and torch's matmul on it up to float32 summation order. One call may
     # mix FP8 and plain weights.
     # (70 rows of 1152 inputs, more than NARROW_INPUT: a V4-sized prefill's, torch matmuls on each weight
     # dequantized alone.)
@@ -437,7 +439,7 @@ def test_fp8_linear_matches_torch(rows, out_features, in_features):
     for a, b in zip(fast, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
     same = _cpu().linears(x, (dense(w, torch.float32),))[0]
-    if rows <= 8:  # (one to eight rows: the row dots, x times each block's scale; float32 summation order)
+    if rows <= 16:  # (up to FEW_FP8_ROWS: the row dots, x times each block's scale; float32 summation order)
         torch.testing.assert_close(fast[0], same, rtol=1e-5, atol=1e-5)
     else:
         assert torch.equal(fast[0], same)
@@ -894,9 +896,9 @@ def test_decode_plans_follow_a_replaced_weight():
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "fp8"])
 def test_a_row_gets_the_same_linear_output_in_any_batch(fmt):
     # Batch invariance: a row's output is bit for bit the same whether it is computed alone, as one of the
-    # last one to three rows of a batch, or inside a 4-row tile. FP8 weights have two regimes: up to eight rows
-    # the row dots (the same for 1-8 rows), from nine rows decoded blocks through the tiles (the same for any
-    # count). 100 inputs: a tail of 4 products after the 16-wide chunks.
+    # last one to three rows of a batch, or inside a 4-row tile. FP8 weights have two regimes: up to FEW_FP8_ROWS
+    # rows the row dots (the same for any count up to it), above it decoded blocks through the tiles (the same for
+    # any count). 100 inputs: a tail of 4 products after the 16-wide chunks.
     from leanserve.model.quant import quantize_fp8
 
     gen = torch.Generator().manual_seed(3)
@@ -905,9 +907,12 @@ def test_a_row_gets_the_same_linear_output_in_any_batch(fmt):
     w = quantize_fp8(w) if fmt == "fp8" else w.to(getattr(torch, fmt))
     full = _cpu().linears(x, (w,))[0]
     alone = torch.cat([_cpu().linears(x[i : i + 1].contiguous(), (w,))[0] for i in range(23)])
-    for start, rows in ((0, 1), (5, 2), (9, 3), (2, 4), (2, 5), (14, 8), (6, 9), (11, 12)):
+    from leanserve.model.backends.cpu.kernels.quantized import FEW_FP8_ROWS
+
+    assert FEW_FP8_ROWS == 16
+    for start, rows in ((0, 1), (5, 2), (9, 3), (2, 4), (2, 5), (14, 8), (6, 9), (7, 16), (4, 17)):
         part = _cpu().linears(x[start : start + rows].contiguous(), (w,))[0]
-        same = alone if fmt == "fp8" and rows <= 8 else full
+        same = alone if fmt == "fp8" and rows <= FEW_FP8_ROWS else full
         assert torch.equal(part, same[start : start + rows]), (start, rows)
     if fmt != "fp8":
         assert torch.equal(alone, full)

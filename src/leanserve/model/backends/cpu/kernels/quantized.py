@@ -45,7 +45,7 @@ from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts, F
 # --- FP8 / FP4 weights, dequantized as they are read (see quant.py) -------------------------------------------
 # A block of ROW_BLOCK weight rows is decoded into a float32 buffer (values times their block's scale, the same
 # float32 products as quant.py's dequantization) and goes through the float32 loops: the same sums as on the
-# dequantized weight. For a few rows of x (decode, verification: FP8 one to eight, FP4 one to four) the decoded
+# dequantized weight. For a few rows of x (decode, verification: FP8 one to sixteen, FP4 one to four) the decoded
 # values meet x in registers instead:
 # FP8 values meet x times their block's scale (exact: a power of two), FP4 groups' sums are times their scale;
 # a different float32 summation order. The decoders are integer arithmetic (they vectorise): an e4m3 byte's bits
@@ -182,33 +182,38 @@ def _fp8_scaled_x(x, s, srow, full, n, xs):  # pragma: no cover - compiled
                 xs[t, i] = x[t, i] * scale
 
 
-def _fp8_scaled_walk(wide_dots, width, one_dots, xrows, halves=False):
-    """out[:, :m] (m = out's width) for FP8 weight rows r0 .. r0 + m by fp8_row_dots of `xrows` rows of x (with
-    `halves`, twice: x's rows xrows .. 2 xrows - 1 right after the first xrows, on the same weight rows, still in
-    L1) against the first n rows of x (the others zeros), over `full` 128-blocks, a 128-row scale block at a time:
-    x times the block's scales once (_fp8_scaled_x), then `width` rows at a time by `wide_dots` where `wide` and the
-    block has them left, else one by `one_dots`."""
+def _fp8_scaled_walk(wide_dots, width, one_dots, xrows, many=False):
+    """out[:, :m] (m = out's width) for FP8 weight rows r0 .. r0 + m by fp8_row_dots of `xrows` rows of x against
+    the first n rows of x, over `full` 128-blocks, a 128-row scale block at a time: x times the block's scales once
+    (_fp8_scaled_x), then `width` rows at a time by `wide_dots` where `wide` and the block has them left, else one
+    by `one_dots`. With `many`, n rows of x in passes of xrows (the last padded with zeros; out has as many rows),
+    one after the other on the same weight rows, which are still in L1 for the passes after the first."""
+
+    def rows_at(q, row, xs, full, out, j, step):  # pragma: no cover - compiled: weight rows row .. row + step
+        if step == width:
+            wide_dots(q, row, xs, full, out, j)
+        else:
+            one_dots(q, row, xs, full, out, j)
+
+    def in_passes(q, row, xs, full, out, j, step):  # pragma: no cover - compiled: the same, xrows rows of x a pass
+        for p in range(xs.shape[0] // xrows):
+            rows_at(q, row, xs[p * xrows : (p + 1) * xrows], full, out[p * xrows : (p + 1) * xrows], j, step)
+
+    rows_at = _inlined(rows_at)
+    visit = _inlined(in_passes) if many else rows_at  # (a loop of one pass slowed the 1-4 row walks: 1.2x a step)
 
     def walk(q, s, r0, x, full, out, wide, n):  # pragma: no cover - compiled
         m = out.shape[1]
-        xs = np.zeros((2 * xrows if halves else xrows, full * FP8_BLOCK), dtype=np.float32)
-        x0, x1, o0, o1 = xs[:xrows], xs[xrows:], out[:xrows], out[xrows:]
+        xs = np.zeros(((n + xrows - 1) // xrows * xrows if many else xrows, full * FP8_BLOCK), dtype=np.float32)
         j = 0
         while j < m:
             srow = (r0 + j) // FP8_BLOCK
             _fp8_scaled_x(x, s, srow, full, n, xs)
             end = min(m, (srow + 1) * FP8_BLOCK - r0)
             while j < end:
-                if wide and end - j >= width:
-                    wide_dots(q, r0 + j, x0, full, o0, j)
-                    if halves:
-                        wide_dots(q, r0 + j, x1, full, o1, j)
-                    j += width
-                else:
-                    one_dots(q, r0 + j, x0, full, o0, j)
-                    if halves:
-                        one_dots(q, r0 + j, x1, full, o1, j)
-                    j += 1
+                step = width if wide and end - j >= width else 1
+                visit(q, r0 + j, xs, full, out, j, step)
+                j += step
 
     return _inlined(walk)
 
@@ -224,9 +229,9 @@ if numba is not None:
         _fp8_scaled_walk(fp8_row_dots(4 if t <= 2 else 2, t), 4 if t <= 2 else 2, fp8_row_dots(1, t), t)
         for t in (1, 2, 3, 4)
     ]
-    _FP8_8 = _fp8_scaled_walk(fp8_row_dots(2, 4), 2, fp8_row_dots(1, 4), 4, True)  # (5-8 rows, padded)
+    _FP8_MANY = _fp8_scaled_walk(fp8_row_dots(2, 4), 2, fp8_row_dots(1, 4), 4, True)  # (5 to FEW_FP8_ROWS rows)
 else:
-    _FP8_1 = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_8 = None
+    _FP8_1 = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_MANY = None
 _FP8B_1, _FP8B_2, _FP8B_3, _FP8B_4 = _fp8_walks(fp8_bf16_row_dots) if numba is not None else [None] * 4
 # and eight rows of x, a weight row at a time (five to seven come padded with rows of zeros: _fp8_inputs)
 _FP8B_8 = _fp8_walk(fp8_bf16_row_dots(1, 8), 1, fp8_bf16_row_dots(1, 8)) if numba is not None else None
@@ -262,6 +267,10 @@ X_IN_L1 = 16384  # bytes
 # FP8 weights meet up to this many rows of x rounded to bfloat16 in the row dots (the MTP layer's h_proj takes its
 # four mHC streams per token: eight rows after an accepted draft). More take the dequantized blocks and tiles.
 FEW_BF16_ROWS = 8
+# FP8 weights meet up to this many rows of float32 x (or x rounded to bfloat16 beyond FEW_BF16_ROWS) in the row dots,
+# four at a time: each row's sums the same bits at any count (batch invariance). More take the dequantized blocks
+# and tiles.
+FEW_FP8_ROWS = 16
 
 
 def _fp8_inputs(x, n, bf16):  # pragma: no cover - compiled
@@ -309,7 +318,7 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
         return
     if bf16:  # (the same products in float32 elsewhere)
         x = _bf16_rounded_jit(x, n)
-    if n <= 8:  # a few rows (decode, verification): products in registers, x times each block's scale
+    if n <= FEW_FP8_ROWS:  # a few rows (decode, verification): products in registers, x times each block's scale
         vector = q.strides[1] == 1 and m > 0  # (x is read through _fp8_scaled_x, in any layout)
         if vector:  # (and scales whose rebased power of two is a float32)
             for sr in range(r0 // FP8_BLOCK, (r0 + m - 1) // FP8_BLOCK + 1):
@@ -325,11 +334,11 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
                 _FP8_3(q, s, r0, x, full, out, not one, n)
             elif n == 4:
                 _FP8_4(q, s, r0, x, full, out, not one, n)
-            else:  # (five to eight: eight rows, four and four, the padding's sums dropped; the weight rows two
-                # at a time whatever their length: the step at batch 8 0.90x of the tiles')
-                eight = np.empty((8, m), dtype=np.float32)
-                _FP8_8(q, s, r0, x, full, eight, True, n)
-                out[:n] = eight[:n]
+            else:  # (five to FEW_FP8_ROWS: in passes of four, the padding's sums dropped; the weight rows two at
+                # a time whatever their length: against the tiles, the step at batch 8 0.90x, 12 0.93-0.95x, 16 1.01x)
+                padded = np.empty(((n + 3) // 4 * 4, m), dtype=np.float32)
+                _FP8_MANY(q, s, r0, x, full, padded, True, n)
+                out[:n] = padded[:n]
         _fp8_rest(x, q, s, r0, out, n, full if vector else 0)
         return
     buf = np.empty((ROW_BLOCK, k_dim), dtype=np.float32)
