@@ -428,6 +428,7 @@ def test_fp8_linear_matches_torch(rows, out_features, in_features):
     # mix FP8 and plain weights.
     # (70 rows of 1152 inputs, more than NARROW_INPUT: a V4-sized prefill's, torch matmuls on each weight
     # dequantized alone.)
+    from leanserve.model.backends.cpu.kernels.quantized import FEW_FP8_ROWS
     from leanserve.model.quant import dense, quantize_fp8
 
     gen = torch.Generator().manual_seed(rows * in_features)
@@ -439,7 +440,7 @@ def test_fp8_linear_matches_torch(rows, out_features, in_features):
     for a, b in zip(fast, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
     same = _cpu().linears(x, (dense(w, torch.float32),))[0]
-    if rows <= 16:  # (up to FEW_FP8_ROWS: the row dots, x times each block's scale; float32 summation order)
+    if rows <= FEW_FP8_ROWS:  # (the row dots, x times each block's scale; float32 summation order)
         torch.testing.assert_close(fast[0], same, rtol=1e-5, atol=1e-5)
     else:
         assert torch.equal(fast[0], same)

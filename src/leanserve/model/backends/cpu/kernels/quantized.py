@@ -204,7 +204,8 @@ def _fp8_scaled_walk(wide_dots, width, one_dots, xrows, many=False):
 
     def walk(q, s, r0, x, full, out, wide, n):  # pragma: no cover - compiled
         m = out.shape[1]
-        xs = np.zeros(((n + xrows - 1) // xrows * xrows if many else xrows, full * FP8_BLOCK), dtype=np.float32)
+        xs = np.empty(((n + xrows - 1) // xrows * xrows if many else xrows, full * FP8_BLOCK), dtype=np.float32)
+        xs[n:] = 0.0  # (a last pass's padding; _fp8_scaled_x writes the rest)
         j = 0
         while j < m:
             srow = (r0 + j) // FP8_BLOCK

@@ -171,7 +171,7 @@ def _make_fp4_dots(rows: int, xrows: int):
             pk_t, s_t, _, xp_t, o_t, _ = signature.args
             pk, sc, xa, oa, row0_, j_ = _fp4_operands(context, builder, signature, args)
             f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
-            v16f, v16i, v4b = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 4)
+            v16f, v16i = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
             intp = context.get_value_type(numba.types.intp)
             fast = ("contract",)
             zeros = ir.Constant(v16f, [0.0] * 16)
@@ -189,11 +189,15 @@ def _make_fp4_dots(rows: int, xrows: int):
 
             lanes16, lanes4 = _tail_lanes(builder, left, 16)  # (4 dwords, 16 bytes of codes, per group)
 
-            def scales(r, c, count):  # row r's scale bytes of chunks c .. c + count // 4 - 1 (<count x i8>)
+            def scales(r, c, count, lanes=None):  # row r's scale bytes of chunks c .. c + count // 4 - 1 (<count x
+                # i8>), or those of `lanes` only
                 sp = cgutils.get_item_pointer(
                     context, builder, s_t, sc, [row[r], builder.mul(c, ir.Constant(intp, 4))], wraparound=False
                 )
-                return builder.load(builder.bitcast(sp, ir.VectorType(i8, count).as_pointer()), align=1)
+                vt = ir.VectorType(i8, count)
+                if lanes is not None:
+                    return _masked_load(builder, sp, vt, lanes)
+                return builder.load(builder.bitcast(sp, vt.as_pointer()), align=1)
 
             def chunk(c, tail, svs=None):  # chunk c of every row; `tail`: the last one, of `left` groups; svs: the
                 # rows' scales of it (else loaded here)
@@ -211,10 +215,7 @@ def _make_fp4_dots(rows: int, xrows: int):
                     )
                     if tail:
                         codes = _masked_load(builder, bp, v16i, lanes16)
-                        sp = cgutils.get_item_pointer(
-                            context, builder, s_t, sc, [row[r], builder.mul(c, ir.Constant(intp, 4))], wraparound=False
-                        )
-                        sv = _group_scales(builder, _masked_load(builder, sp, v4b, lanes4))
+                        sv = _group_scales(builder, scales(r, c, 4, lanes4))
                     else:
                         _prefetch(builder, bp)
                         codes = builder.load(builder.bitcast(bp, v16i.as_pointer()), align=1)
