@@ -76,6 +76,8 @@ def _e4m3_raw(b):  # pragma: no cover - compiled: an e4m3fn byte's value times 2
 
 
 RAW_SCALE_MAX = 134  # the largest UE8M0 exponent whose scale times 2^120 is a float32
+RAW_REBASE = 120  # (the power of two x comes times in the row dots that decode as _e4m3_raw)
+HALF_REBASE = 8  # (and in those that decode through float16: rowdots.fp8_row_dots' `half`)
 
 
 def _raw_scale(e):  # pragma: no cover - compiled: 2^(e - 127) * 2^120, for e <= RAW_SCALE_MAX
@@ -172,21 +174,22 @@ def _fp8_walk(wide_dots, width, one_dots):
     return _inlined(walk)
 
 
-def _fp8_scaled_x(x, s, srow, full, n, xs):  # pragma: no cover - compiled
-    # xs[t, k] = x[t, k] times the scale of block (srow, k // 128) times 2^120 (_raw_scale), over the first `full`
-    # 128-blocks, for t < n: what fp8_row_dots take for the rows of scale block srow (its scales <= RAW_SCALE_MAX)
+def _fp8_scaled_x(x, s, srow, full, n, xs, rebase=RAW_REBASE):  # pragma: no cover - compiled
+    # xs[t, k] = x[t, k] times the scale of block (srow, k // 128) times 2^rebase, over the first `full` 128-blocks,
+    # for t < n: what fp8_row_dots take for the rows of scale block srow (its scales <= RAW_SCALE_MAX), rebase
+    # RAW_REBASE (_raw_scale), or HALF_REBASE for those that decode through float16
     for kb in range(full):
-        scale = _raw_scale(s[srow, kb])
+        scale = _f32_from_bits((np.int32(s[srow, kb]) + np.int32(rebase)) << np.int32(23))
         for t in range(n):
             for i in range(kb * FP8_BLOCK, (kb + 1) * FP8_BLOCK):
                 xs[t, i] = x[t, i] * scale
 
 
-def _fp8_scaled_walk(wide_dots, width, one_dots, xrows, many=False):
+def _fp8_scaled_walk(wide_dots, width, one_dots, xrows, many=False, rebase=RAW_REBASE):
     """out[:, :m] (m = out's width) for FP8 weight rows r0 .. r0 + m by fp8_row_dots of `xrows` rows of x against
-    the first n rows of x, over `full` 128-blocks, a 128-row scale block at a time: x times the block's scales once
-    (_fp8_scaled_x), then `width` rows at a time by `wide_dots` where `wide` and the block has them left, else one
-    by `one_dots`. With `many`, n rows of x in passes of xrows (the last padded with zeros; out has as many rows),
+    the first n rows of x, over `full` 128-blocks, a 128-row scale block at a time: x times the block's scales and
+    2^rebase once (_fp8_scaled_x), then `width` rows at a time by `wide_dots` where `wide` and the block has them
+    left, else one by `one_dots`. With `many`, n rows of x in passes of xrows (the last padded with zeros; out has as many rows),
     one after the other on the same weight rows, which are still in L1 for the passes after the first."""
 
     def rows_at(q, row, xs, full, out, j, step):  # pragma: no cover - compiled: weight rows row .. row + step
@@ -209,7 +212,7 @@ def _fp8_scaled_walk(wide_dots, width, one_dots, xrows, many=False):
         j = 0
         while j < m:
             srow = (r0 + j) // FP8_BLOCK
-            _fp8_scaled_x(x, s, srow, full, n, xs)
+            _fp8_scaled_x(x, s, srow, full, n, xs, rebase)
             end = min(m, (srow + 1) * FP8_BLOCK - r0)
             while j < end:
                 step = width if wide and end - j >= width else 1
@@ -226,15 +229,28 @@ def _fp8_walks(row_dots):
 
 if numba is not None:
     _fp8_scaled_x = _inlined(_fp8_scaled_x)
-    # float32 x: four weight rows at a time for one or two rows of x, three for three or four (against two: the
-    # published step 0.98x at batch 3 and 4), two for more, in passes of four (three: 1.05x at batch 8)
-    _FP8_1, _FP8_2, _FP8_3, _FP8_4 = [
-        _fp8_scaled_walk(fp8_row_dots(4 if t <= 2 else 3, t), 4 if t <= 2 else 3, fp8_row_dots(1, t), t)
-        for t in (1, 2, 3, 4)
+    # float32 x: the bytes decoded through float16 (fp8_row_dots' `half`), but for one row of x against weight rows
+    # read four at a time, where the raw decode's fewer instructions win (the kernel alone from memory: 1.05-1.09x
+    # through float16; 0.81-0.97x at two to twelve rows of x); four weight rows at a time for one or two rows of x,
+    # three for three or four (against two: the published step 0.98x at batch 3 and 4), two for more, in passes of
+    # four (three: 1.05x at batch 8)
+    _FP8_1W = _fp8_scaled_walk(fp8_row_dots(4, 1), 4, fp8_row_dots(1, 1), 1)
+    _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, True), 1, fp8_row_dots(1, 1, True), 1, rebase=HALF_REBASE)
+    _FP8_2, _FP8_3, _FP8_4 = [
+        _fp8_scaled_walk(
+            fp8_row_dots(4 if t <= 2 else 3, t, True),
+            4 if t <= 2 else 3,
+            fp8_row_dots(1, t, True),
+            t,
+            rebase=HALF_REBASE,
+        )
+        for t in (2, 3, 4)
     ]
-    _FP8_MANY = _fp8_scaled_walk(fp8_row_dots(2, 4), 2, fp8_row_dots(1, 4), 4, True)  # (5 to FEW_FP8_ROWS rows)
+    _FP8_MANY = _fp8_scaled_walk(  # (5 to FEW_FP8_ROWS rows)
+        fp8_row_dots(2, 4, True), 2, fp8_row_dots(1, 4, True), 4, many=True, rebase=HALF_REBASE
+    )
 else:
-    _FP8_1 = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_MANY = None
+    _FP8_1W = _FP8_1 = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_MANY = None
 _FP8B_1, _FP8B_2, _FP8B_3, _FP8B_4 = _fp8_walks(fp8_bf16_row_dots) if numba is not None else [None] * 4
 # and eight rows of x, a weight row at a time (five to seven come padded with rows of zeros: _fp8_inputs)
 _FP8B_8 = _fp8_walk(fp8_bf16_row_dots(1, 8), 1, fp8_bf16_row_dots(1, 8)) if numba is not None else None
@@ -329,8 +345,10 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
                     vector = vector and s[sr, kb] <= RAW_SCALE_MAX
         if vector:  # (weight rows at a time, within one 128-row scale block, share the loads of x; rows of x
             # each decoded weight vector; short rows, and rows whose x fits L1, one at a time: SHORT_FP8_ROW)
-            if n == 1:
-                _FP8_1(q, s, r0, x, full, out, not one, n)
+            if n == 1 and one:
+                _FP8_1(q, s, r0, x, full, out, False, n)
+            elif n == 1:
+                _FP8_1W(q, s, r0, x, full, out, True, n)
             elif n == 2:
                 _FP8_2(q, s, r0, x, full, out, not one, n)
             elif n == 3:
