@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from leanserve.model.backends.cpu.kernels.base import _EXACT, Threaded, _jit, _share_jit, numba
+from leanserve.model.backends.cpu.kernels.base import _EXACT, Threaded, _empty64_f32, _jit, _share_jit, numba
 from leanserve.model.backends.cpu.kernels.simd import tile_dot, weighted_rows
 
 # --- Linear for a few rows --------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ if numba is not None:
                 _linear_tiles_jit(x, w, out, n)
                 return
             k_dim = w.shape[1]
-            buf = np.empty((ROW_BLOCK, k_dim), dtype=np.uint32)
+            buf = _empty64_f32(ROW_BLOCK, k_dim).view(np.uint32)
             for j0 in range(0, w.shape[0], ROW_BLOCK):
                 block = min(ROW_BLOCK, w.shape[0] - j0)
                 for r in range(block):

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from leanserve.model.backends.cpu.kernels.base import Threaded, _exp_jit, _inlined, _jit, _share_jit
+from leanserve.model.backends.cpu.kernels.base import Threaded, _empty64_f32, _exp_jit, _inlined, _jit, _share_jit
 from leanserve.model.backends.cpu.kernels.linear import _linear_rows_jit
 from leanserve.model.backends.cpu.kernels.quantized import _expert_rows, _matrix_rows
 from leanserve.model.quant import FP8_BLOCK
@@ -153,9 +153,9 @@ def _moe_experts(x, counts, tasks, token_of, weight_of, w13, w13_s, w2, w2_s, sw
     cut, chunks = _shared_parts_jit(sw1, sw2_s)
     shared = sw1.shape[0]
     pairs = token_of.shape[0]
-    rows = np.empty((pairs, hidden), dtype=np.float32)
+    rows = _empty64_f32(pairs, hidden)  # (the experts' inputs, on 64 bytes: base._empty64_f32)
     both = np.empty((pairs, 2 * inter), dtype=np.float32)
-    act = np.empty((pairs, inter), dtype=np.float32)
+    act = _empty64_f32(pairs, inter)
     lo, hi = _share_jit(tasks.shape[0], part, parts)
     for job in range(lo, hi):
         e = tasks[job]

@@ -11,6 +11,8 @@ from leanserve.model.backends.cpu.kernels.base import (
     EMPTY,
     Threaded,
     _bf16_bits_jit,
+    _empty64_f32,
+    _empty64_u16,
     _f32_from_bits,
     _inlined,
     _jit,
@@ -207,7 +209,7 @@ def _fp8_scaled_walk(wide_dots, width, one_dots, xrows, many=False, rebase=RAW_R
 
     def walk(q, s, r0, x, full, out, wide, n):  # pragma: no cover - compiled
         m = out.shape[1]
-        xs = np.empty(((n + xrows - 1) // xrows * xrows if many else xrows, full * FP8_BLOCK), dtype=np.float32)
+        xs = _empty64_f32((n + xrows - 1) // xrows * xrows if many else xrows, full * FP8_BLOCK)
         xs[n:] = 0.0  # (a last pass's padding; _fp8_scaled_x writes the rest)
         j = 0
         while j < m:
@@ -300,7 +302,8 @@ def _fp8_inputs(x, n, bf16):  # pragma: no cover - compiled
     full = x.shape[1] // FP8_BLOCK
     if not (bf16 and n <= FEW_BF16_ROWS and _AVX512_BF16 and x.strides[1] == 4 and full > 0):
         return np.empty((0, 0), dtype=np.uint16)
-    xb = np.empty((n, full * FP8_BLOCK), dtype=np.uint16) if n <= 4 else np.zeros((8, full * FP8_BLOCK), np.uint16)
+    xb = _empty64_u16(n if n <= 4 else 8, full * FP8_BLOCK)
+    xb[n:] = 0
     _fp8_bf16_x_jit(x, xb, n)
     return xb
 
@@ -363,7 +366,7 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
                 out[:n] = padded[:n]
         _fp8_rest(x, q, s, r0, out, n, full if vector else 0)
         return
-    buf = np.empty((ROW_BLOCK, k_dim), dtype=np.float32)
+    buf = _empty64_f32(ROW_BLOCK, k_dim)
     for j0 in range(0, m, ROW_BLOCK):
         block = min(ROW_BLOCK, m - j0)
         for r in range(block):
@@ -412,7 +415,7 @@ def _fp4_rows(x, packed, s, out, n, bf16):  # pragma: no cover - compiled
     step = FP4_GROUP // 2
     padded = (2 * half + FP4_CHUNK - 1) // FP4_CHUNK * FP4_CHUNK  # (x's length rounded up to whole chunks)
     if bf16 and n <= 4 and _AVX512_BF16:  # x rounded and permuted once (fp4_bf16_x), then a row at a time
-        xb = np.empty((n, padded), dtype=np.uint16)
+        xb = _empty64_u16(n, padded)
         _fp4_bf16_x_jit(x, xb, n)
         if n == 1:
             _FP4B_1(packed, s, xb, out, m)
@@ -427,7 +430,7 @@ def _fp4_rows(x, packed, s, out, n, bf16):  # pragma: no cover - compiled
         x = _bf16_rounded_jit(x, n)
     if n <= 4 and _AVX512:  # a few rows: x permuted once (fp4_permuted_x), then a weight row at a time, each
         # decoded chunk meeting every row of x
-        xp = np.empty((n, padded), dtype=np.float32)
+        xp = _empty64_f32(n, padded)
         _fp4_permuted_x_jit(x, xp, n)
         if n == 1:
             _FP4_1(packed, s, xp, out, m)
@@ -458,7 +461,7 @@ def _fp4_rows(x, packed, s, out, n, bf16):  # pragma: no cover - compiled
                     total += acc * _ue8m0(s[row, g])
                 out[t, row] = total
         return
-    buf = np.empty((ROW_BLOCK, 2 * half), dtype=np.float32)
+    buf = _empty64_f32(ROW_BLOCK, 2 * half)
     for j0 in range(0, m, ROW_BLOCK):
         block = min(ROW_BLOCK, m - j0)
         for r in range(block):
