@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from leanserve.model.backends.cpu.kernels.base import _EXACT, Threaded, _empty64_f32, _jit, _share_jit, numba
+from leanserve.model.backends.cpu.kernels.base import _EXACT, Threaded, _empty64_f32, _inlined, _jit, _share_jit, numba
 from leanserve.model.backends.cpu.kernels.simd import tile_dot, weighted_rows
 
 # --- Linear for a few rows --------------------------------------------------------------------------------
@@ -141,38 +141,48 @@ def _weighted_rows(p, v, out, n):  # pragma: no cover - compiled
 _weighted_rows_jit = _jit(_weighted_rows, fastmath=_EXACT)
 
 
-LINEAR_CHUNK = 64  # weight rows per task of the threaded linear
+LINEAR_CHUNK = 64  # weight rows per task of the threaded linear, for rows of CHUNK_INPUTS inputs or more
+# Shorter rows go more to a task, so that a task reads about as much of the weight: each has a fixed cost (its
+# copy of x made, for FP8 x times the scales) that a task of 64 rows of 1024 inputs (wq_b) paid 512 times a call.
+CHUNK_INPUTS = 16384
+
+
+def _chunk_rows(w):  # pragma: no cover - compiled: weight rows per task of w [J, K]
+    return LINEAR_CHUNK * max(1, CHUNK_INPUTS // max(1, w.shape[1]))
 
 
 def _chunk_ends(ws):  # pragma: no cover - compiled
-    # The tasks of a tuple of weights split in chunks of LINEAR_CHUNK rows: weight i's are [ends[i], ends[i+1])
+    # The tasks of a tuple of weights split in chunks of _chunk_rows rows: weight i's are [ends[i], ends[i+1])
     ends = np.zeros(len(ws) + 1, dtype=np.int64)
     for i in range(len(ws)):
-        ends[i + 1] = ends[i] + (ws[i].shape[0] + LINEAR_CHUNK - 1) // LINEAR_CHUNK
+        rows = _chunk_rows(ws[i])
+        ends[i + 1] = ends[i] + (ws[i].shape[0] + rows - 1) // rows
     return ends
 
 
-def _chunk_of(ends, task):  # pragma: no cover - compiled
-    # (the weight a task belongs to, its first row)
+def _chunk_of(ws, ends, task):  # pragma: no cover - compiled
+    # (the weight a task belongs to, its first row, the row after its last)
     i = 0
     while ends[i + 1] <= task:
         i += 1
-    return i, (task - ends[i]) * LINEAR_CHUNK
+    rows = _chunk_rows(ws[i])
+    j0 = (task - ends[i]) * rows
+    return i, j0, min(ws[i].shape[0], j0 + rows)
 
 
+_chunk_rows = _inlined(_chunk_rows) if numba is not None else None
 _chunk_ends_jit = _jit(_chunk_ends)
 _chunk_of_jit = _jit(_chunk_of)
 
 
 def _linear(x, ws, outs, part, parts):  # pragma: no cover - compiled
     # outs[i] = x @ ws[i]^T for a tuple of weights of one dtype (the linears that read the same input), the
-    # weights' rows in chunks of LINEAR_CHUNK, one task each (this part's share of them: see base.Threaded)
+    # weights' rows in chunks (_chunk_rows), one task each (this part's share of them: see base.Threaded)
     ends = _chunk_ends_jit(ws)
     lo, hi = _share_jit(ends[len(ws)], part, parts)
     for task in range(lo, hi):
-        i, j0 = _chunk_of_jit(ends, task)
+        i, j0, j1 = _chunk_of_jit(ws, ends, task)
         w, out = ws[i], outs[i]
-        j1 = min(w.shape[0], j0 + LINEAR_CHUNK)
         _linear_rows_jit(x, w[j0:j1], out[:, j0:j1], x.shape[0])
 
 

@@ -26,7 +26,6 @@ from leanserve.model.backends.cpu.kernels.bf16dots import (
     fp8_bf16_x,
 )
 from leanserve.model.backends.cpu.kernels.linear import (
-    LINEAR_CHUNK,
     ROW_BLOCK,
     _chunk_ends_jit,
     _chunk_of_jit,
@@ -551,15 +550,14 @@ if numba is not None:
 
 
 def _linear_fp8(x, qs, ss, bf16, outs, part, parts):  # pragma: no cover - compiled
-    # outs[i] = x @ W_i^T for a tuple of FP8 weights (bytes qs[i], scales ss[i]), in chunks of LINEAR_CHUNK rows;
+    # outs[i] = x @ W_i^T for a tuple of FP8 weights (bytes qs[i], scales ss[i]), in chunks of rows (_chunk_of);
     # with `bf16`, x rounded to bfloat16 first (Fp8Weight.inputs)
     ends = _chunk_ends_jit(qs)
     lo, hi = _share_jit(ends[len(qs)], part, parts)
     xb = _fp8_inputs(x, x.shape[0], bf16)
     for task in range(lo, hi):
-        i, j0 = _chunk_of_jit(ends, task)
+        i, j0, j1 = _chunk_of_jit(qs, ends, task)
         q, out = qs[i], outs[i]
-        j1 = min(q.shape[0], j0 + LINEAR_CHUNK)
         _fp8_rows_x_jit(x, xb, q, ss[i], j0, out[:, j0:j1], x.shape[0], bf16)
 
 
