@@ -190,8 +190,9 @@ def _fp8_scaled_walk(wide_dots, width, one_dots, xrows, many=False, rebase=RAW_R
     """out[:, :m] (m = out's width) for FP8 weight rows r0 .. r0 + m by fp8_row_dots of `xrows` rows of x against
     the first n rows of x, over `full` 128-blocks, a 128-row scale block at a time: x times the block's scales and
     2^rebase once (_fp8_scaled_x), then `width` rows at a time by `wide_dots` where `wide` and the block has them
-    left, else one by `one_dots`. With `many`, n rows of x in passes of xrows (the last padded with zeros; out has as many rows),
-    one after the other on the same weight rows, which are still in L1 for the passes after the first."""
+    left, else one by `one_dots`. With `many`, n rows of x in passes of xrows (the last padded with zeros; out has
+    as many rows), one after the other on the same weight rows, which are still in L1 for the passes after the
+    first."""
 
     def rows_at(q, row, xs, full, out, j, step):  # pragma: no cover - compiled: weight rows row .. row + step
         if step == width:
