@@ -371,6 +371,45 @@ def test_fp4_inputs_round_to_bfloat16_as_torch_does():
     assert (xb[0] == np.where(src < 160, wbits[np.minimum(src, 159)], 0)).all()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 7])
+def test_fp8_row_dots_decode_the_same_both_ways(rows):
+    # The float32 FP8 row dots decode e4m3 bytes straight into float32 bits, or through float16 (no float32
+    # subnormals; hosts with F16C take it at all but one row of x against four-row reads): the same products and
+    # sums, so the same bits, over every e4m3 byte (subnormals and zeros included). Each way alone is checked
+    # against the dequantized weight below; this holds the host's choice to the other one.
+    import numba
+
+    from leanserve.model.backends.cpu.kernels.quantized import HALF_REBASE, _fp8_scaled_walk
+    from leanserve.model.backends.cpu.kernels.rowdots import _F16C, fp8_row_dots
+
+    if not _F16C:
+        pytest.skip("the float16 decode needs F16C")
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randint(0, 256, (256, 512), dtype=torch.uint8, generator=gen)
+    q[(q & 0x7F) == 0x7F] = 0  # (no NaNs)
+    q[0, :256] = torch.arange(256, dtype=torch.uint8)
+    q[0, 127], q[0, 255] = 0, 0
+    scale = torch.randint(110, 130, (2, 4), dtype=torch.uint8, generator=gen)
+    x = torch.randn(rows, 512, generator=gen).numpy()
+    xrows = min(rows, 4)
+    outs = []
+    for half in (False, True):
+        walk = _fp8_scaled_walk(
+            fp8_row_dots(2, xrows, half), 2, fp8_row_dots(1, xrows, half), xrows, many=rows > 4,
+            rebase=HALF_REBASE if half else 120,
+        )  # fmt: skip
+
+        @numba.njit
+        def run(q, s, x, out, n, walk=walk):
+            walk(q, s, 0, x, 4, out, True, n)
+
+        out = np.zeros(((rows + xrows - 1) // xrows * xrows, 256), dtype=np.float32)
+        run(q.numpy(), scale.numpy(), x, out, rows)
+        outs.append(out[:rows])
+    assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
+    assert np.array_equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("in_features", [330, 2100, 4200])
 @pytest.mark.parametrize("big_scale", [False, True])

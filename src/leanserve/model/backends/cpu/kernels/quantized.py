@@ -36,6 +36,7 @@ from leanserve.model.backends.cpu.kernels.linear import (
 from leanserve.model.backends.cpu.kernels.rowdots import (
     _AVX512,
     _AVX512_BF16,
+    _F16C,
     FP4_CHUNK,
     fp4_permuted_x,
     fp4_row_dots,
@@ -237,19 +238,21 @@ if numba is not None:
     # three for three or four (against two: the published step 0.98x at batch 3 and 4), two for more, in passes of
     # four (three: 1.05x at batch 8)
     _FP8_1W = _fp8_scaled_walk(fp8_row_dots(4, 1), 4, fp8_row_dots(1, 1), 1)
-    _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, True), 1, fp8_row_dots(1, 1, True), 1, rebase=HALF_REBASE)
+    _HALF = _F16C  # (without F16C, x86 cores from before 2012, every walk decodes straight into float32 bits)
+    _REBASE = HALF_REBASE if _HALF else RAW_REBASE
+    _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, _HALF), 1, fp8_row_dots(1, 1, _HALF), 1, rebase=_REBASE)
     _FP8_2, _FP8_3, _FP8_4 = [
         _fp8_scaled_walk(
-            fp8_row_dots(4 if t <= 2 else 3, t, True),
+            fp8_row_dots(4 if t <= 2 else 3, t, _HALF),
             4 if t <= 2 else 3,
-            fp8_row_dots(1, t, True),
+            fp8_row_dots(1, t, _HALF),
             t,
-            rebase=HALF_REBASE,
+            rebase=_REBASE,
         )
         for t in (2, 3, 4)
     ]
     _FP8_MANY = _fp8_scaled_walk(  # (5 to FEW_FP8_ROWS rows)
-        fp8_row_dots(2, 4, True), 2, fp8_row_dots(1, 4, True), 4, many=True, rebase=HALF_REBASE
+        fp8_row_dots(2, 4, _HALF), 2, fp8_row_dots(1, 4, _HALF), 4, many=True, rebase=_REBASE
     )
 else:
     _FP8_1W = _FP8_1 = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_MANY = None
