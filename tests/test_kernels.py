@@ -379,7 +379,7 @@ def test_fp8_row_dots_decode_the_same_both_ways(rows):
     # against the dequantized weight below; this holds the host's choice to the other one.
     import numba
 
-    from leanserve.model.backends.cpu.kernels.quantized import HALF_REBASE, _fp8_scaled_walk
+    from leanserve.model.backends.cpu.kernels.quantized import HALF_REBASE, RAW_REBASE, _fp8_scaled_walk
     from leanserve.model.backends.cpu.kernels.rowdots import _F16C, fp8_row_dots
 
     if not _F16C:
@@ -396,7 +396,7 @@ def test_fp8_row_dots_decode_the_same_both_ways(rows):
     for half in (False, True):
         walk = _fp8_scaled_walk(
             fp8_row_dots(2, xrows, half), 2, fp8_row_dots(1, xrows, half), xrows, many=rows > 4,
-            rebase=HALF_REBASE if half else 120,
+            rebase=HALF_REBASE if half else RAW_REBASE,
         )  # fmt: skip
 
         @numba.njit

@@ -107,19 +107,21 @@ _copy_row_jit = _inlined(_copy_row) if numba is not None else None
 
 # Arrays the vector kernels load from are made on 64-byte boundaries: a 64-byte load that straddles two cache
 # lines costs two (numba's own arrays start on 32 bytes, numpy's on 16).
-def _empty64_f32(rows, cols):  # pragma: no cover - compiled: an uninitialised float32 [rows, cols] on 64 bytes
-    flat = np.empty(rows * cols + 16, dtype=np.float32)
-    skip = (64 - flat.ctypes.data % 64) % 64 // 4
+def _on64(flat, rows, cols):  # pragma: no cover - compiled: [rows, cols] of a 1-D array 64 bytes longer, on 64 bytes
+    skip = (64 - flat.ctypes.data % 64) % 64 // flat.itemsize
     return flat[skip : skip + rows * cols].reshape((rows, cols))
+
+
+def _empty64_f32(rows, cols):  # pragma: no cover - compiled: an uninitialised float32 [rows, cols] on 64 bytes
+    return _on64(np.empty(rows * cols + 16, dtype=np.float32), rows, cols)
 
 
 def _empty64_u16(rows, cols):  # pragma: no cover - compiled: the same for uint16
-    flat = np.empty(rows * cols + 32, dtype=np.uint16)
-    skip = (64 - flat.ctypes.data % 64) % 64 // 2
-    return flat[skip : skip + rows * cols].reshape((rows, cols))
+    return _on64(np.empty(rows * cols + 32, dtype=np.uint16), rows, cols)
 
 
 if numba is not None:
+    _on64 = _inlined(_on64)
     _empty64_f32 = _inlined(_empty64_f32)
     _empty64_u16 = _inlined(_empty64_u16)
 

@@ -82,8 +82,12 @@ RAW_REBASE = 120  # (the power of two x comes times in the row dots that decode 
 HALF_REBASE = 8  # (and in those that decode through float16: rowdots.fp8_row_dots' `half`)
 
 
+def _rebased_scale(e, rebase):  # pragma: no cover - compiled: 2^(e - 127) * 2^rebase (a float32 while e + rebase < 255)
+    return _f32_from_bits((np.int32(e) + np.int32(rebase)) << np.int32(23))
+
+
 def _raw_scale(e):  # pragma: no cover - compiled: 2^(e - 127) * 2^120, for e <= RAW_SCALE_MAX
-    return _f32_from_bits((np.int32(e) + np.int32(120)) << np.int32(23))
+    return _rebased_scale(e, RAW_REBASE)
 
 
 def _e2m1(c):  # pragma: no cover - compiled: an FP4 e2m1 code (0..15) -> float32
@@ -98,6 +102,7 @@ if numba is not None:
     _ue8m0 = _inlined(_ue8m0)
     _e4m3 = _inlined(_e4m3)
     _e4m3_raw = _inlined(_e4m3_raw)
+    _rebased_scale = _inlined(_rebased_scale)
     _raw_scale = _inlined(_raw_scale)
     _e2m1 = _inlined(_e2m1)
 
@@ -181,7 +186,7 @@ def _fp8_scaled_x(x, s, srow, full, n, xs, rebase=RAW_REBASE):  # pragma: no cov
     # for t < n: what fp8_row_dots take for the rows of scale block srow (its scales <= RAW_SCALE_MAX), rebase
     # RAW_REBASE (_raw_scale), or HALF_REBASE for those that decode through float16
     for kb in range(full):
-        scale = _f32_from_bits((np.int32(s[srow, kb]) + np.int32(rebase)) << np.int32(23))
+        scale = _rebased_scale(s[srow, kb], rebase)
         for t in range(n):
             for i in range(kb * FP8_BLOCK, (kb + 1) * FP8_BLOCK):
                 xs[t, i] = x[t, i] * scale
