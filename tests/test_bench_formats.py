@@ -74,6 +74,12 @@ def test_the_kernel_profile_counts_every_decode_call_and_its_weight_bytes():
         head = [v for k, v in totals.items() if k.startswith("linear") and k.endswith(f"-> {cfg.vocab_size}]")]
         assert len(head) == 1 and head[0][0] == steps
         assert head[0][2] == steps * cfg.vocab_size * cfg.hidden_size * model.head.weight.element_size()
+        for once in (
+            "step metadata (build_forward_batch)",
+            "hc_head (the head's mix and norm)",
+            "sampling (logits to tokens)",
+        ):
+            assert totals[once][0] == steps, once  # (one a step, outside the blocks)
         rows = profile_rows(totals, steps, 1.0)
         assert rows[-1].kernel == "rest of the step" and rows[0].ms >= rows[1].ms
     finally:

@@ -1,7 +1,8 @@
 """Where a CPU decode step's time goes, kernel by kernel, against the bytes each one reads (`bench formats
 --profile`): the step's pieces on the CPU backend's decode path (model/backends/cpu/decode.py) and the linears
-(kernels `Matmuls`, the head's too) are timed while the step runs, each call in wall-clock time; the rest of the
-step (metadata, sampling, Python between the calls) is reported as one row.
+(kernels `Matmuls`, the head's too) are timed while the step runs, each call in wall-clock time, and so are the
+step's metadata, the head's mix and sampling; the rest of the step (the Python between the calls, the runner's
+bookkeeping) is reported as one row.
 
 Bytes are the weights a call reads (every byte of a linear's weight; for the MoE its router, the top-k routed
 experts per token and the shared expert, as `token_bytes` counts them); kernels whose reads are activations or
@@ -64,7 +65,9 @@ def moe_bytes(w) -> int:
 @contextlib.contextmanager
 def kernel_profile():
     """Times the decode path's pieces while the block runs; yields the totals {name: [calls, seconds, bytes]}."""
+    from leanserve.engine import runner
     from leanserve.model.backends.cpu import decode
+    from leanserve.model.backends.cpu.backend import CpuBackend
     from leanserve.model.backends.cpu.kernels import quantized
 
     totals: dict[str, list] = defaultdict(lambda: [0, 0.0, 0])
@@ -103,6 +106,10 @@ def kernel_profile():
     timed(decode, "mixed_in", "mHC")
     timed(decode, "settled", "mHC")
     timed(decode, "embedded", "embedding")
+    # (the step outside the model's blocks: what the rest of the step holds besides the Python between the calls)
+    timed(runner, "build_forward_batch", "step metadata (build_forward_batch)")
+    timed(CpuBackend, "hc_head", "hc_head (the head's mix and norm)")
+    timed(runner.StageRunner, "_verify", "sampling (logits to tokens)")
     try:
         yield totals
     finally:
