@@ -136,3 +136,26 @@ def test_a_batch_decodes_different_prompts_and_slot_0_the_peers():
     assert len({tuple(p) for p in prompts}) == 8  # (the same prompt would route every token to the same experts)
     assert all(3 <= t < 5888 for p in prompts for t in p)
     assert varied_prompts(2, 16, 5888) == prompts[:2]
+
+
+def test_the_decode_note_names_the_formats_a_core_decodes_slower_than_its_share_of_the_read():
+    """`bench formats`' note on the in-cache decode rates: a format one core decodes slower than its share of the
+    machine's read is named as bound by arithmetic; the rates are printed as measured."""
+    from leanserve.bench.profile import decode_note
+
+    note = decode_note({"FP4": 14.04, "FP8": 17.5, "bfloat16": 40.0}, 16.9)
+    assert "(16.9 GB/s): FP4 14.0 GB/s (0.83x), FP8 17.5 GB/s (1.04x), bfloat16 40.0 GB/s (2.37x)" in note
+    assert note.endswith("bound by arithmetic here: FP4")
+    assert decode_note({"FP4": 9.0, "FP8": 12.0}, 16.9).endswith("bound by arithmetic here: FP4, FP8")
+    assert decode_note({"FP4": 20.0, "FP8": 30.0}, 16.9).endswith("bound by arithmetic here: none")
+
+
+def test_decode_rates_time_each_weight_format_through_its_kernel():
+    """One rate per weight format the decode step reads, each from a weight of IN_CACHE_BYTES (values and scales)
+    that went through the kernel: finite and positive."""
+    pytest.importorskip("numba")
+    from leanserve.bench.profile import decode_rates
+
+    rates = decode_rates(repeats=2)
+    assert list(rates) == ["FP4", "FP8", "bfloat16"]
+    assert all(0 < r < float("inf") for r in rates.values())

@@ -30,7 +30,7 @@ from leanserve.bench import peer
 from leanserve.bench.common import GreedyDecoder, print_rows, stage_runner
 from leanserve.bench.options import FLOAT32_INPUTS, add_inputs, add_output, add_threads, inputs_of, int_list
 from leanserve.bench.peer import PEERS
-from leanserve.bench.profile import PROFILE_HEADERS
+from leanserve.bench.profile import PROFILE_HEADERS, decode_note, decode_rates
 from leanserve.model.config import CSA, HCA, MOE, ModelConfig
 
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v4-flash.json"
@@ -319,6 +319,7 @@ def formats_bench(
         del runners
     bw = {k: max(b[k] for b in bws) for k in bws[0]}
     peak = max(peaks)
+    decoding = decode_note(decode_rates(), bw["machine"] / _kernel_threads()) if numba is not None else None
     per_token = {f: token_bytes(cfg, published=f == "published") for f in FORMATS}
     rows = []
     for batch in batch_sizes:
@@ -356,7 +357,15 @@ def formats_bench(
         + ("all loaded, steps interleaved" if together else "loaded one after the other (memory)")
         + f"; {rounds} steps per format and batch after 2 warm-up, medians; torch threads {torch.get_num_threads()}",
     ]
+    if decoding:
+        notes.append(decoding)
     return rows, notes
+
+
+def _kernel_threads() -> int:
+    from leanserve.model.backends.cpu import kernels as ck
+
+    return ck.threads()
 
 
 def rows_of(inputs: dict[str, str] | None) -> tuple[str, ...]:

@@ -6,7 +6,11 @@ bookkeeping) is reported as one row.
 
 Bytes are the weights a call reads (every byte of a linear's weight; for the MoE its router, the top-k routed
 experts per token and the shared expert, as `token_bytes` counts them); kernels whose reads are activations or
-caches (attention, norms, RoPE, mHC) show none."""
+caches (attention, norms, RoPE, mHC) show none.
+
+`decode_rates` times each weight format's decode on one core with the weight in cache (what the kernels'
+arithmetic allows, apart from memory), and `decode_note` says which formats that makes slower than a core's share
+of the machine's read."""
 
 from __future__ import annotations
 
@@ -130,3 +134,59 @@ def profile_rows(totals: dict, steps: int, step_seconds: float) -> list[ProfileR
     rows.append(ProfileRow("rest of the step", 0, round((step_seconds - inside) * 1e3, 3),
                            round(1 - inside / step_seconds, 3), None, None))  # fmt: skip
     return rows
+
+
+IN_CACHE_BYTES = 1 << 20  # each format's weight in decode_rates: 1 MB, in a core's L2
+
+
+def decode_rates(repeats: int = 200) -> dict[str, float]:
+    """GB/s at which one core reads each weight format at one row of x with the weight in its cache (L2): what the
+    kernels' arithmetic allows, apart from memory. Each is a [rows x 4096] weight of IN_CACHE_BYTES through the
+    kernel the decode step calls for it (FP4 experts' rows, an FP8 linear, a bfloat16 linear), best of `repeats`."""
+    from leanserve.model.backends.cpu import kernels as ck
+    from leanserve.model.backends.cpu.kernels.quantized import _fp4_rows_jit
+    from leanserve.model.backends.cpu.views import numpy_views
+    from leanserve.model.quant import quantize_fp4, quantize_fp8
+
+    width = 4096
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, width, generator=gen).numpy()
+
+    def weight(bytes_per_value: float) -> torch.Tensor:
+        return torch.randn(int(IN_CACHE_BYTES / bytes_per_value) // width, width, generator=gen) * 0.02
+
+    fp4 = numpy_views(quantize_fp4(weight(0.5)))
+    fp8 = (numpy_views(quantize_fp8(weight(1))),)
+    bf16 = (ck.weight_np(weight(2).to(torch.bfloat16)),)
+    out = np.empty((1, fp4.packed.shape[0]), dtype=np.float32)
+    runs = {
+        "FP4": (lambda: _fp4_rows_jit(x, fp4.packed, fp4.scale, out, 1, False), weight_bytes(fp4)),
+        "FP8": (lambda: ck.matmuls(x, fp8), weight_bytes(fp8[0])),
+        "bfloat16": (lambda: ck.matmuls(x, bf16), weight_bytes(bf16[0])),
+    }
+    rates = {}
+    with ck.one_thread():
+        for name, (fn, nbytes) in runs.items():
+            fn()  # (compiles, and brings the weight into cache)
+            best = min(_seconds(fn) for _ in range(repeats))
+            rates[name] = nbytes / best / 1e9
+    return rates
+
+
+def decode_note(rates: dict[str, float], read_per_core: float) -> str:
+    """The `bench formats` note on decode_rates: each format's rate and its ratio to a core's share of the
+    machine's read (`read_per_core`, GB/s); a format one core decodes slower than that is bound by arithmetic on
+    this host, and one just above it streams the read only where its decoding and its loads overlap."""
+    slower = [name for name, r in rates.items() if r < read_per_core]
+    rated = ", ".join(f"{name} {r:.1f} GB/s ({r / read_per_core:.2f}x)" for name, r in rates.items())
+    return (
+        f"one core decoding one row of x, the weight in its cache, against a core's share of the read "
+        f"({read_per_core:.1f} GB/s): {rated}; slower than that share, bound by arithmetic here: "
+        + (", ".join(slower) if slower else "none")
+    )
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
