@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from leanserve.bench import peer
 from leanserve.bench.common import GreedyDecoder, print_rows, stage_runner
 from leanserve.bench.options import FLOAT32_INPUTS, add_inputs, add_output, add_threads, inputs_of, int_list
 from leanserve.bench.peer import PEERS
-from leanserve.bench.profile import PROFILE_HEADERS, decode_note, decode_rates
+from leanserve.bench.profile import PROFILE_HEADERS, decode_note, decode_rates, seconds
 from leanserve.model.config import CSA, HCA, MOE, ModelConfig
 
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v4-flash.json"
@@ -134,7 +133,7 @@ def kernel_peak_gflops(rows: int = 64, width: int = 4096, repeats: int = 5) -> f
     x = rng.standard_normal((rows, width), dtype=np.float32)
     w = rng.standard_normal((width, width), dtype=np.float32)
     ck.matmuls(x, (w,))
-    return 2 * rows * width * width / min(_seconds(lambda: ck.matmuls(x, (w,))) for _ in range(repeats)) / 1e9
+    return 2 * rows * width * width / min(seconds(lambda: ck.matmuls(x, (w,))) for _ in range(repeats)) / 1e9
 
 
 def head_share(cfg: ModelConfig) -> float:
@@ -243,15 +242,9 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = BANDWIDTH_REPEATS) -> dict
         _read_sum_one(a[:1024], 1), _read_sum_par(a[:1024], 8)
         runs["vectorised sum, 1 thread"] = lambda: _read_sum_one(a, 1)
         runs[f"vectorised sum, {threads} threads"] = lambda: _read_sum_par(a, 64)
-    out = {name: a.nbytes / min(_seconds(fn) for _ in range(repeats)) / 1e9 for name, fn in runs.items()}
+    out = {name: a.nbytes / min(seconds(fn) for _ in range(repeats)) / 1e9 for name, fn in runs.items()}
     out["machine"] = max(out.values())
     return out
-
-
-def _seconds(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def formats_bench(
@@ -384,8 +377,8 @@ def _profile(runner, prompt_len: int, rounds: int) -> list:
     decoder = GreedyDecoder(runner, 1, prompt_len)
     decoder(), decoder()  # (warm-up)
     with kernel_profile() as totals:
-        seconds = sum(decoder() for _ in range(rounds))
-    return profile_rows(totals, rounds, seconds / rounds)
+        total = sum(decoder() for _ in range(rounds))
+    return profile_rows(totals, rounds, total / rounds)
 
 
 def _mem_available() -> int | None:

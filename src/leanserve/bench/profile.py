@@ -168,7 +168,7 @@ def decode_rates(repeats: int = 200) -> dict[str, float]:
     with ck.one_thread():
         for name, (fn, nbytes) in runs.items():
             fn()  # (compiles, and brings the weight into cache)
-            best = min(_seconds(fn) for _ in range(repeats))
+            best = min(seconds(fn) for _ in range(repeats))
             rates[name] = nbytes / best / 1e9
     return rates
 
@@ -186,7 +186,8 @@ def decode_note(rates: dict[str, float], read_per_core: float) -> str:
     )
 
 
-def _seconds(fn) -> float:
+def seconds(fn) -> float:
+    """The wall-clock time of one call of fn()."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
