@@ -142,34 +142,34 @@ IN_CACHE_BYTES = 1 << 20  # each format's weight in decode_rates: 1 MB, in a cor
 def decode_rates(repeats: int = 200) -> dict[str, float]:
     """GB/s at which one core reads each weight format at one row of x with the weight in its cache (L2): what the
     kernels' arithmetic allows, apart from memory. Each is a [rows x 4096] weight of IN_CACHE_BYTES through the
-    kernel the decode step calls for it (FP4 experts' rows, an FP8 linear, a bfloat16 linear), best of `repeats`."""
+    compiled rows kernel that the decode step's tasks call for it (FP4 experts, FP8 and bfloat16 linears), best of
+    `repeats` calls."""
     from leanserve.model.backends.cpu import kernels as ck
-    from leanserve.model.backends.cpu.kernels.quantized import _fp4_rows_jit
+    from leanserve.model.backends.cpu.kernels.linear import _linear_rows_jit
+    from leanserve.model.backends.cpu.kernels.quantized import _fp4_rows_jit, _fp8_rows_jit
     from leanserve.model.backends.cpu.views import numpy_views
     from leanserve.model.quant import quantize_fp4, quantize_fp8
 
     width = 4096
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, width, generator=gen).numpy()
+    rows = {name: int(IN_CACHE_BYTES / size) // width for name, size in (("FP4", 0.5), ("FP8", 1), ("bfloat16", 2))}
 
-    def weight(bytes_per_value: float) -> torch.Tensor:
-        return torch.randn(int(IN_CACHE_BYTES / bytes_per_value) // width, width, generator=gen) * 0.02
+    def weight(name: str) -> torch.Tensor:
+        return torch.randn(rows[name], width, generator=gen) * 0.02
 
-    fp4 = numpy_views(quantize_fp4(weight(0.5)))
-    fp8 = (numpy_views(quantize_fp8(weight(1))),)
-    bf16 = (ck.weight_np(weight(2).to(torch.bfloat16)),)
-    out = np.empty((1, fp4.packed.shape[0]), dtype=np.float32)
+    fp4, fp8 = numpy_views(quantize_fp4(weight("FP4"))), numpy_views(quantize_fp8(weight("FP8")))
+    bf16 = ck.weight_np(weight("bfloat16").to(torch.bfloat16))
+    out = {name: np.empty((1, n), dtype=np.float32) for name, n in rows.items()}
     runs = {
-        "FP4": (lambda: _fp4_rows_jit(x, fp4.packed, fp4.scale, out, 1, False), weight_bytes(fp4)),
-        "FP8": (lambda: ck.matmuls(x, fp8), weight_bytes(fp8[0])),
-        "bfloat16": (lambda: ck.matmuls(x, bf16), weight_bytes(bf16[0])),
+        "FP4": (lambda: _fp4_rows_jit(x, fp4.packed, fp4.scale, out["FP4"], 1, False), weight_bytes(fp4)),
+        "FP8": (lambda: _fp8_rows_jit(x, fp8.q, fp8.scale, 0, out["FP8"], 1, False), weight_bytes(fp8)),
+        "bfloat16": (lambda: _linear_rows_jit(x, bf16, out["bfloat16"], 1), weight_bytes(bf16)),
     }
     rates = {}
-    with ck.one_thread():
-        for name, (fn, nbytes) in runs.items():
-            fn()  # (compiles, and brings the weight into cache)
-            best = min(seconds(fn) for _ in range(repeats))
-            rates[name] = nbytes / best / 1e9
+    for name, (fn, nbytes) in runs.items():
+        fn()  # (compiles, and brings the weight into cache)
+        rates[name] = nbytes / min(seconds(fn) for _ in range(repeats)) / 1e9
     return rates
 
 
