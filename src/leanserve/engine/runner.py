@@ -29,6 +29,7 @@ from leanserve.sampling_params import SamplingParams
 # The most logits a block of prompt-logprob rows holds at once (64 MiB of float32): the head over a long chunk's
 # rows runs in blocks of _HEAD_BLOCK // vocab rows.
 _HEAD_BLOCK = 1 << 24
+_NO_ROWS = torch.empty(0, dtype=torch.long)  # (seeds and steps of a step whose rows all take the argmax)
 
 
 @dataclass(frozen=True)
@@ -428,13 +429,17 @@ class StageRunner:
                 drafts.append(s.drafts[j] if j < len(s.drafts) else -1)
                 slots.append(s.slot)
                 cols.append(min(j, self.proposer.k - 1) if self.proposer is not None else 0)
-        seeds_t, steps_t = torch.tensor(seeds, dtype=torch.long), torch.tensor(steps, dtype=torch.long)
         # Logprobs are the raw logits' (vLLM's default); bias, penalties and grammars change what is sampled.
         raw = logits
         logits = self.penalties.process(logits, samples)
         if self.grammars.matchers:  # (constrained rows: their grammar's mask, after bias and penalties)
             logits = self.grammars.mask(logits, samples)
-        if len(params) == len(samples):  # no drafts: plain sampling
+        plain = len(params) == len(samples)  # no drafts
+        if plain and all(_is_greedy(p) for p in params):  # (argmax rows: no seeds or steps to draw with)
+            seeds_t = steps_t = _NO_ROWS
+        else:
+            seeds_t, steps_t = torch.tensor(seeds, dtype=torch.long), torch.tensor(steps, dtype=torch.long)
+        if plain:
             final, _ = self.sampler.sample(logits, params, seeds_t, steps_t)
             accepted = [False] * len(params)
         else:
