@@ -128,8 +128,12 @@ class CpuBackend(TorchBackend):
     def linears(self, x, weights):
         rows = x.numel() // x.shape[-1]
         if _compiled_linear(rows, x.shape[-1]) and _activations(x) and _linear_weights(weights):
-            views = tuple([numpy_views(w) for w in weights])  # (FP8 and plain weights: one kernel call each)
-            outs = ck.matmuls(x.view(rows, x.shape[-1]).numpy(), views)
+            flat = x.view(rows, x.shape[-1]).numpy()
+            if len(weights) == 1 and isinstance(weights[0], torch.nn.Parameter):  # (a module's plain weight, e.g.
+                # the head's: its views and kernel calls kept with it, as long as it lives)
+                outs = self._views.get(weights[0], "matmuls", lambda w: ck.Matmuls((numpy_views(w),)))(flat)
+            else:  # (FP8 and plain weights: one kernel call each)
+                outs = ck.matmuls(flat, tuple([numpy_views(w) for w in weights]))
             return tuple([torch.from_numpy(o).view(*x.shape[:-1], o.shape[1]) for o in outs])
         if _activations(x) and _linear_weights(weights) and any(isinstance(w, Fp8Weight) for w in weights):
             # (a prefill: torch matmuls, each FP8 weight dequantized alone by the kernels just before its own)
