@@ -383,5 +383,8 @@ def test_large_weights_sit_in_memory_advised_for_huge_pages():
     big, small = model.embed.weight, model.layers["0"].attn.wq_a.weight
     assert big.nbytes >= 4 << 20 > small.nbytes
     assert _mapping_of(big.data_ptr()).get("THPeligible") == "1"
-    assert _mapping_of(small.data_ptr()).get("THPeligible") != "1"
+    assert "hg" in _mapping_of(big.data_ptr())["VmFlags"].split()  # (advised: MADV_HUGEPAGE)
+    # (the small one is not advised; whether the kernel would still give its mapping huge pages is its policy, and
+    # torch's allocator may place it in any mapping the process has)
+    assert "hg" not in _mapping_of(small.data_ptr())["VmFlags"].split()
     assert big.untyped_storage().nbytes() == big.nbytes
