@@ -351,9 +351,7 @@ class StageRunner:
         # The head at the sampled rows, and only for requests asking for prompt logprobs at their prompt rows.
         prompt = self._prompt_logprobs(out, plan.prompt_logprobs) if plan.prompt_logprobs else {}
         self.penalties.begin(plan.penalty_slots, plan.chunks, plan.samples, plan.penalty_recount)
-        # (a decode step wants every row's logits, in order: the rows as they are, without a gather's copy)
-        every = len(plan.logits_rows) == out.shape[0] and plan.logits_rows == tuple(range(out.shape[0]))
-        rows = out if every else out[fb.logits_index]
+        rows = out if fb.logits_index is None else out[fb.logits_index]  # (None: every row, in order)
         tokens = self._verify(self.model.head_logits(rows), plan.samples) if plan.samples else {}
         drafts = self._propose(plan, tokens) if propose and self.proposer is not None else {}
         outputs = {

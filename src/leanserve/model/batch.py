@@ -125,7 +125,9 @@ def build_forward_batch(
     starts = np.array([c.start for c in chunks], dtype=np.int64)
     slots = np.array([c.slot for c in chunks], dtype=np.int64)
     input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
-    logits = None if logits_index is None else torch.tensor(logits_index, dtype=torch.long)
+    # (every row in order, as a decode step wants them: None, so that no one gathers the rows they already have)
+    every = logits_index is None or logits_index == list(range(len(input_ids)))
+    logits = None if every else torch.tensor(logits_index, dtype=torch.long)
     on_cpu = device == "cpu" or torch.device(device).type == "cpu"
     if _short_kernels is not None and cpu_kernels.available() and _all_short(sizes, geo):
         fb = _short_batch(slots, starts, lens, input_ids, logits, geo, table.array)
