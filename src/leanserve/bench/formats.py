@@ -220,6 +220,7 @@ try:
     import numba
 
     from leanserve.model.backends.cpu.kernels import _jit
+    from leanserve.model.backends.cpu.kernels import threads as kernel_threads
 
     _prange = numba.prange
     _read_sum_one, _read_sum_par = _jit(_read_sum), _jit(_read_sum, parallel=True)
@@ -312,7 +313,7 @@ def formats_bench(
         del runners
     bw = {k: max(b[k] for b in bws) for k in bws[0]}
     peak = max(peaks)
-    decoding = decode_note(decode_rates(), bw["machine"] / _kernel_threads()) if numba is not None else None
+    decoding = decode_note(decode_rates(), bw["machine"] / kernel_threads()) if numba is not None else None
     per_token = {f: token_bytes(cfg, published=f == "published") for f in FORMATS}
     rows = []
     for batch in batch_sizes:
@@ -353,12 +354,6 @@ def formats_bench(
     if decoding:
         notes.append(decoding)
     return rows, notes
-
-
-def _kernel_threads() -> int:
-    from leanserve.model.backends.cpu import kernels as ck
-
-    return ck.threads()
 
 
 def rows_of(inputs: dict[str, str] | None) -> tuple[str, ...]:

@@ -144,7 +144,6 @@ def decode_rates(repeats: int = 200) -> dict[str, float]:
     kernels' arithmetic allows, apart from memory. Each is a [rows x 4096] weight of IN_CACHE_BYTES through the
     compiled rows kernel that the decode step's tasks call for it (FP4 experts, FP8 and bfloat16 linears), best of
     `repeats` calls."""
-    from leanserve.model.backends.cpu import kernels as ck
     from leanserve.model.backends.cpu.kernels.linear import _linear_rows_jit
     from leanserve.model.backends.cpu.kernels.quantized import _fp4_rows_jit, _fp8_rows_jit
     from leanserve.model.backends.cpu.views import numpy_views
@@ -159,7 +158,7 @@ def decode_rates(repeats: int = 200) -> dict[str, float]:
         return torch.randn(rows[name], width, generator=gen) * 0.02
 
     fp4, fp8 = numpy_views(quantize_fp4(weight("FP4"))), numpy_views(quantize_fp8(weight("FP8")))
-    bf16 = ck.weight_np(weight("bfloat16").to(torch.bfloat16))
+    bf16 = numpy_views(weight("bfloat16").to(torch.bfloat16))  # (its bits, as uint16)
     out = {name: np.empty((1, n), dtype=np.float32) for name, n in rows.items()}
     runs = {
         "FP4": (lambda: _fp4_rows_jit(x, fp4.packed, fp4.scale, out["FP4"], 1, False), weight_bytes(fp4)),
