@@ -18,12 +18,11 @@ from leanserve.model.backends.cpu.kernels.rowdots import (
     _fp8_operands,
     _group_scales,
     _masked_load,
-    _prefetch,
     _store_sums,
     _tail_lanes,
     _ue8m0_bits,
 )
-from leanserve.model.backends.cpu.kernels.simd import _splat
+from leanserve.model.backends.cpu.kernels.simd import _prefetch, _splat
 from leanserve.model.quant import FP4_VALUES, FP8_BLOCK
 
 if numba is not None:

@@ -13,15 +13,21 @@ from leanserve.model.backends.cpu.kernels.simd import tile_dot, weighted_rows
 _T4x4, _T4x1, _T3x4, _T3x1, _T2x4, _T2x1, _T1x8, _T1x1 = [
     tile_dot(r, c) for r, c in ((4, 4), (4, 1), (3, 4), (3, 1), (2, 4), (2, 1), (1, 8), (1, 1))
 ]
+_T1S = tile_dot(1, 1, stream=True)
 
 
 def _linear_tiles(x, w, out, n):  # pragma: no cover - compiled
     # out[:n] = x[:n] @ w^T for x [>=n, K], w [J, K] (float32, or bfloat16 bits widened as read), both with their
     # last dimension contiguous: bands of four rows of x, four weight rows at a time (sixteen sums in registers,
     # eight loads per sixteen multiply-adds); the last one to three rows in one more band, a single row against
-    # eight weight rows (eight chains of additions in flight). Every entry gets the same arithmetic in every tile
-    # shape (simd.tile_dot): a row's output does not depend on how many rows the step has.
+    # eight weight rows (eight chains of additions in flight). A lone row of x (decode at batch 1) meets the weight
+    # a row at a time, one sequential stream read ahead (simd.STREAM_AHEAD). Every entry gets the same arithmetic in
+    # every tile shape (simd.tile_dot): a row's output does not depend on how many rows the step has.
     rows = w.shape[0]
+    if n == 1:
+        for j in range(rows):
+            _T1S(x, w, out, 0, j)
+        return
     t = 0
     while t + 4 <= n:
         j = 0

@@ -8,32 +8,11 @@ from __future__ import annotations
 import functools
 
 from leanserve.model.backends.cpu.kernels.base import numba
-from leanserve.model.backends.cpu.kernels.simd import _lanes_sum, _splat
+from leanserve.model.backends.cpu.kernels.simd import _lanes_sum, _prefetch, _splat
 from leanserve.model.quant import FP4_VALUES, FP8_BLOCK
 
 if numba is not None:
     from llvmlite import ir
-
-
-# Bytes ahead of each weight load that the row dots ask the caches for (llvm.prefetch), and into which level
-# (locality 2: L2, prefetcht1). A call reads a few rows of 1-2 KB at short row lengths (FP8 [1024 -> ...], FP4
-# experts): every call starts a new 4 KB page, where the hardware's stream prefetchers stop and start again, so
-# without this the loads wait on memory. Into L2 and further ahead than the 4 KB into L1 that came before: the
-# published step 0.94x at float32 inputs and 0.79-0.91x with bfloat16 inputs (docs/kernels.md).
-PREFETCH_AHEAD = 16384
-PREFETCH_LOCALITY = 2
-
-
-def _prefetch(builder, ptr, ahead=PREFETCH_AHEAD):
-    """Ask for the cache line `ahead` bytes after ptr (a hint: no fault past an array's end)."""
-    from numba.core import cgutils
-
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
-    )
-    at = builder.gep(builder.bitcast(ptr, i8p), [ir.Constant(ir.IntType(64), ahead)])
-    builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, PREFETCH_LOCALITY), ir.Constant(i32, 1)])
 
 
 def _store_sums(context, builder, o_t, oa, j, accs):
