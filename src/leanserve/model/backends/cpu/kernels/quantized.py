@@ -237,12 +237,10 @@ def _fp8_walks(row_dots):
 
 if numba is not None:
     _fp8_scaled_x = _inlined(_fp8_scaled_x)
-    # float32 x: the bytes decoded through float16 (fp8_row_dots' `half`), but for one row of x against weight rows
-    # read four at a time, where the raw decode's fewer instructions win (the kernel alone from memory: 1.05-1.09x
-    # through float16; 0.81-0.97x at two to twelve rows of x); four weight rows at a time for one or two rows of x,
-    # three for three or four (against two: the published step 0.98x at batch 3 and 4), two for more, in passes of
-    # four (three: 1.05x at batch 8)
-    _FP8_1W = _fp8_scaled_walk(fp8_row_dots(4, 1), 4, fp8_row_dots(1, 1), 1)
+    # float32 x: the bytes decoded through float16 (fp8_row_dots' `half`; against the raw decode 0.81-0.97x at two to
+    # twelve rows of x); one row of x a weight row at a time, four weight rows at a time for two rows of x, three
+    # for three or four (against two: the published step 0.98x at batch 3 and 4), two for more, in passes of four
+    # (three: 1.05x at batch 8)
     _HALF = _F16C  # (without F16C, x86 cores from before 2012, every walk decodes straight into float32 bits)
     _REBASE = HALF_REBASE if _HALF else RAW_REBASE
     _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, _HALF), 1, fp8_row_dots(1, 1, _HALF), 1, rebase=_REBASE)
@@ -260,7 +258,7 @@ if numba is not None:
         fp8_row_dots(2, 4, _HALF), 2, fp8_row_dots(1, 4, _HALF), 4, many=True, rebase=_REBASE
     )
 else:
-    _FP8_1W = _FP8_1 = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_MANY = None
+    _FP8_1 = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_MANY = None
 _FP8B_1, _FP8B_2, _FP8B_3, _FP8B_4 = _fp8_walks(fp8_bf16_row_dots) if numba is not None else [None] * 4
 # and eight rows of x, a weight row at a time (five to seven come padded with rows of zeros: _fp8_inputs)
 _FP8B_8 = _fp8_walk(fp8_bf16_row_dots(1, 8), 1, fp8_bf16_row_dots(1, 8)) if numba is not None else None
@@ -287,11 +285,12 @@ _bf16_rounded_jit = _jit(_bf16_rounded)
 # 26 GB/s a row at a time against 17 four at a time; [16384 x 2048] 33 against 21; equal at 4096 inputs, and at
 # 8192 four at a time is faster, 26 against 19). Each entry's arithmetic is the same either way.
 SHORT_FP8_ROW = 2048
-# Longer rows are read one per call too while the rows of x they meet fit in half the L1 cache (n rows of K float32,
-# or bfloat16 for the bfloat16 row dots): x then stays in L1 while one row streams. Two runs of the same kernel in
-# one process, from memory on two threads, one row per call against four: [8192 x 4096] 1.09x at one float32 row
-# of x (16 KB), 1.23x at two bfloat16 rows; [4096 x 8192] 1.08x at one bfloat16 row; and where x is larger, 0.67-0.77x
-# (two float32 rows of 4096, one or two of 8192).
+# Longer rows are read one per call too at one row of x, and at more while the rows of x they meet fit in half the
+# L1 cache (n rows of K float32, or bfloat16 for the bfloat16 row dots): x then stays in L1 while one row streams.
+# Two runs of the same kernel in one process, from memory on two threads, one row per call against four: [8192 x
+# 4096] 1.09x at one float32 row of x (16 KB), 1.23x at two bfloat16 rows; [4096 x 8192] 1.08x at one bfloat16 row;
+# and where x is larger, 0.67-0.77x (two float32 rows of 4096, two of 8192). One float32 row of 8192 (32 KB) goes
+# one at a time all the same: the published step at batch 1 0.964-0.973x (three same-process A/Bs, 2026-12-06).
 X_IN_L1 = 16384  # bytes
 # FP8 weights meet up to this many rows of x rounded to bfloat16 in the row dots (the MTP layer's h_proj takes its
 # four mHC streams per token: eight rows after an accepted draft). More take the dequantized blocks and tiles.
@@ -327,7 +326,7 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
     m, k_dim = out.shape[1], q.shape[1]
     full = k_dim // FP8_BLOCK
     contiguous = q.strides[1] == 1 and x.strides[1] == 4 and m > 0  # (the row dots' contiguous loads)
-    one = k_dim <= SHORT_FP8_ROW or n * k_dim * (2 if xb.shape[0] > 0 else 4) <= X_IN_L1  # (a row per call)
+    one = n == 1 or k_dim <= SHORT_FP8_ROW or n * k_dim * (2 if xb.shape[0] > 0 else 4) <= X_IN_L1  # (a row a call)
     if _AVX512_BF16 and xb.shape[0] > 0 and contiguous:  # x rounded and interleaved (_fp8_inputs)
         if n == 1:
             _FP8B_1(q, s, r0, xb, full, out, not one)
@@ -356,10 +355,8 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
                     vector = vector and s[sr, kb] <= RAW_SCALE_MAX
         if vector:  # (weight rows at a time, within one 128-row scale block, share the loads of x; rows of x
             # each decoded weight vector; short rows, and rows whose x fits L1, one at a time: SHORT_FP8_ROW)
-            if n == 1 and one:
+            if n == 1:
                 _FP8_1(q, s, r0, x, full, out, False, n)
-            elif n == 1:
-                _FP8_1W(q, s, r0, x, full, out, True, n)
             elif n == 2:
                 _FP8_2(q, s, r0, x, full, out, not one, n)
             elif n == 3:
