@@ -13,21 +13,16 @@ from leanserve.model.backends.cpu.kernels.simd import tile_dot, weighted_rows
 _T4x4, _T4x1, _T3x4, _T3x1, _T2x4, _T2x1, _T1x8, _T1x1 = [
     tile_dot(r, c) for r, c in ((4, 4), (4, 1), (3, 4), (3, 1), (2, 4), (2, 1), (1, 8), (1, 1))
 ]
-_T1S = tile_dot(1, 1, stream=True)
+_T1S, _T2S = tile_dot(1, 1, stream=True), tile_dot(2, 1, stream=True)
 
 
 def _linear_tiles(x, w, out, n):  # pragma: no cover - compiled
     # out[:n] = x[:n] @ w^T for x [>=n, K], w [J, K] (float32, or bfloat16 bits widened as read), both with their
     # last dimension contiguous: bands of four rows of x, four weight rows at a time (sixteen sums in registers,
     # eight loads per sixteen multiply-adds); the last one to three rows in one more band, a single row against
-    # eight weight rows (eight chains of additions in flight). A lone row of x (decode at batch 1) meets the weight
-    # a row at a time, one sequential stream read ahead (simd.STREAM_AHEAD). Every entry gets the same arithmetic in
-    # every tile shape (simd.tile_dot): a row's output does not depend on how many rows the step has.
+    # eight weight rows (eight chains of additions in flight). Every entry gets the same arithmetic in every tile
+    # shape (simd.tile_dot): a row's output does not depend on how many rows the step has.
     rows = w.shape[0]
-    if n == 1:
-        for j in range(rows):
-            _T1S(x, w, out, 0, j)
-        return
     t = 0
     while t + 4 <= n:
         j = 0
@@ -65,6 +60,27 @@ def _linear_tiles(x, w, out, n):  # pragma: no cover - compiled
 _linear_tiles_jit = _jit(_linear_tiles, fastmath=_EXACT)  # (no reassociation: the tiles keep their order)
 
 
+STREAM_ROWS = 2  # rows of x up to which a linear reads its weight a row at a time (_streamed)
+
+
+def _streamed(x, w, out, n):  # pragma: no cover - compiled
+    # out[:n] = x[:n] @ w^T for one or two rows of x against a weight read from memory, a weight row at a time (each
+    # row followed by the next: one sequential stream, which the prefetchers follow best, where the tiles' four or
+    # eight rows at once are as many streams), with a prefetch simd.STREAM_AHEAD bytes on; the tiles' arithmetic.
+    # bfloat16 [5888 x 4096] from memory on two threads, of a 35.5 GB/s read: one row of x 31.6 GB/s against 24.5,
+    # two 33.5 against 28.3; three and four rows 0.83x and 0.67x the tiles (their loads of x, one per multiply-add,
+    # bind), so they keep them.
+    if n == 1:
+        for j in range(w.shape[0]):
+            _T1S(x, w, out, 0, j)
+    else:
+        for j in range(w.shape[0]):
+            _T2S(x, w, out, 0, j)
+
+
+_streamed_jit = _jit(_streamed, fastmath=_EXACT)  # (no reassociation, as _linear_tiles_jit)
+
+
 ROW_BLOCK = 16  # weight rows per block (16 KB at 256 inputs): it stays in L1 while every row of x passes over it
 
 
@@ -81,6 +97,9 @@ if numba is not None:
         if w.dtype == numba.types.float32:
 
             def blocked(x, w, out, n):
+                if n <= STREAM_ROWS:
+                    _streamed_jit(x, w, out, n)
+                    return
                 if n <= 4:  # (a single band of rows: every weight row is read once anyway)
                     _linear_tiles_jit(x, w, out, n)
                     return
@@ -91,7 +110,10 @@ if numba is not None:
             return blocked
 
         def widened(x, w, out, n):
-            if n <= 4:  # (decode at batch 1, verification): each weight entry widened in registers, once
+            if n <= STREAM_ROWS:
+                _streamed_jit(x, w, out, n)
+                return
+            if n <= 4:  # (decode at batch 1-4, verification): each weight entry widened in registers, once
                 _linear_tiles_jit(x, w, out, n)
                 return
             k_dim = w.shape[1]

@@ -290,7 +290,8 @@ SHORT_FP8_ROW = 2048
 # Two runs of the same kernel in one process, from memory on two threads, one row per call against four: [8192 x
 # 4096] 1.09x at one float32 row of x (16 KB), 1.23x at two bfloat16 rows; [4096 x 8192] 1.08x at one bfloat16 row;
 # and where x is larger, 0.67-0.77x (two float32 rows of 4096, two of 8192). One float32 row of 8192 (32 KB) goes
-# one at a time all the same: the published step at batch 1 0.964-0.973x (three same-process A/Bs, 2026-12-06).
+# one at a time all the same: [4096 x 8192] from memory on two threads 27.0-27.2 GB/s against 25.1-25.7 four rows at
+# a time (two runs, 2026-12-06).
 X_IN_L1 = 16384  # bytes
 # FP8 weights meet up to this many rows of x rounded to bfloat16 in the row dots (the MTP layer's h_proj takes its
 # four mHC streams per token: eight rows after an accepted draft). More take the dequantized blocks and tiles.

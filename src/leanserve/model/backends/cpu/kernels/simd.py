@@ -68,16 +68,16 @@ def _prefetch(builder, ptr, ahead=PREFETCH_AHEAD):
 def tile_dot(rows: int, cols: int, stream: bool = False):
     """The intrinsic `tile(x, w, out, t, j)` for a tile of `rows` rows of x (float32 [N, K], last dimension
     contiguous) and `cols` rows of w ([J, K] float32 or uint16 bfloat16 bits, last dimension contiguous). With
-    `stream` (one row of x, one weight row), the weight row is read a line at a time with a prefetch STREAM_AHEAD
-    bytes on: the same arithmetic as the other tiles."""
-    assert not stream or rows == cols == 1
+    `stream` (one weight row), the weight row is read a line at a time with a prefetch STREAM_AHEAD bytes on: the
+    same arithmetic as the other tiles."""
+    assert not stream or cols == 1
     return _make_tile(rows, cols, stream) if numba is not None else None
 
 
-# Bytes ahead of the streaming tile's weight loads that it asks L2 for. A row of x against weight rows one at a
-# time, each row followed by the next, is one sequential stream, which the prefetchers follow best; eight rows at
-# once are eight streams. bfloat16 [5888 x 4096] from memory on two threads: 34.7 GB/s against 26.2 (eight rows
-# without a prefetch) and 31.0 (eight rows, the next eight prefetched), of a 36.0 GB/s read; 4 KB ahead 33.8.
+# Bytes ahead of the streaming tiles' weight loads that they ask L2 for (linear._streamed: weight rows one at a
+# time, each followed by the next, are one sequential stream). One row of x against bfloat16 [5888 x 4096] from
+# memory on two threads: 34.7 GB/s against 26.2 (eight rows without a prefetch) and 31.0 (eight rows, the next
+# eight prefetched), of a 36.0 GB/s read; 4 KB ahead 33.8.
 STREAM_AHEAD = 8192
 
 
