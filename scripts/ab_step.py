@@ -7,6 +7,12 @@ their own, so that the machine's drift hits both alike. Prints medians and new/o
         --dtypes float32,bfloat16 --prefill 2048
 
 A decode step rewrites the same position each round (a rollback by one), so every round does the same work.
+
+With `--linears`, it times the decode linears of DeepSeek-V4-Flash's shapes instead (the bench model's head in
+bfloat16, its FP8 projections) through each code's `Matmuls`, one or more rows of x (`--batch-sizes`), each weight
+copied to 640 MB and the copies cycled so that every call reads from memory, and says whether both codes give
+the same bits. Step times of two models loaded in one process also differ by where each one's weights landed
+(up to 8% between two copies of the same code on a 2-core VM); a linear's copies share one allocation per code.
 """
 
 from __future__ import annotations
@@ -86,6 +92,63 @@ def ab(pair, plans_pair, repeats: int) -> tuple[float, float]:
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+LINEAR_SHAPES = {  # name: (out, in, format): the Flash-shaped bench model's decode linears
+    "head bf16 [4096 -> 5888]": (5888, 4096, "bf16"),
+    "wq_b fp8 [1024 -> 32768]": (32768, 1024, "fp8"),
+    "wo_b fp8 [8192 -> 4096]": (4096, 8192, "fp8"),
+    "fp8 [4096 -> 4096]": (4096, 4096, "fp8"),
+}
+COPIES_BYTES = 640 << 20
+
+
+def linears_ab(rows: int, repeats: int) -> None:
+    """Prints each LINEAR_SHAPES linear's GB/s in both codes at `rows` rows of x, medians of `repeats` passes over
+    its copies (alternating which code goes first)."""
+    import numpy as np
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    pkgs = {"old": OLD, "new": "leanserve"}
+    kernels = {k: importlib.import_module(f"{p}.model.backends.cpu.kernels.quantized") for k, p in pkgs.items()}
+    quant = {k: importlib.import_module(f"{p}.model.quant") for k, p in pkgs.items()}
+    for name, (out_f, in_f, fmt) in LINEAR_SHAPES.items():
+        w = torch.randn(out_f, in_f, generator=gen) * 0.02
+        if fmt == "bf16":
+            one = w.to(torch.bfloat16).view(torch.uint16).numpy()
+            copies = np.concatenate([one] * max(2, COPIES_BYTES // one.nbytes))
+            weights = {k: [copies[i : i + out_f] for i in range(0, len(copies), out_f)] for k in pkgs}
+        else:
+            q8 = quant["new"].quantize_fp8(w)
+            q, sc = q8.q.view(torch.uint8).numpy(), q8.scale.numpy()
+            n = max(2, COPIES_BYTES // q.nbytes)
+            copies, scales = np.concatenate([q] * n), np.concatenate([sc] * n)
+            blocks = sc.shape[0]
+            weights = {
+                k: [
+                    quant[k].Fp8Weight(
+                        q=copies[i * out_f : (i + 1) * out_f], scale=scales[i * blocks : (i + 1) * blocks]
+                    )
+                    for i in range(n)
+                ]
+                for k in pkgs
+            }
+        calls = {k: [kernels[k].Matmuls((wt,)) for wt in weights[k]] for k in pkgs}
+        x = torch.randn(rows, in_f, generator=gen).numpy()
+        same = np.array_equal(calls["old"][0](x)[0], calls["new"][0](x)[0])
+        times = {"old": [], "new": []}
+        for r in range(repeats):
+            for k in ("old", "new") if r % 2 else ("new", "old"):
+                start = time.perf_counter()
+                for call in calls[k]:
+                    call(x)
+                times[k].append(time.perf_counter() - start)
+        old, new = statistics.median(times["old"]), statistics.median(times["new"])
+        print(
+            f"{name:>26} {rows:>4} {copies.nbytes / old / 1e9:8.1f} {copies.nbytes / new / 1e9:8.1f} "
+            f"{new / old:8.3f} {'yes' if same else 'no':>9}"
+        )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ref", required=True, help="the git ref to compare with (the old code)")
@@ -96,6 +159,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=60, help="decode rounds per arm (prefill: a tenth)")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens before the decode steps")
     p.add_argument("--threads", type=int, default=None, help="torch (and kernel) threads; default torch's")
+    p.add_argument("--linears", action="store_true", help="time the Flash-shaped decode linears instead (see above)")
     p.add_argument(
         "--option", action="append", default=[], metavar="NAME=VALUE",
         help="an EngineConfig option for both arms, e.g. fp8_inputs=bfloat16 (repeatable; both codes must take it)",
@@ -110,6 +174,11 @@ def main() -> int:
     repo = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
         load_old(a.ref, repo, Path(tmp))
+        if a.linears:
+            print(f"{'linear':>26} {'rows':>4} {'old GB/s':>8} {'new GB/s':>8} {'new/old':>8} {'same bits':>9}")
+            for batch in [int(b) for b in a.batch_sizes.split(",")]:
+                linears_ab(batch, max(4, a.repeats // 10))
+            return 0
         print(f"{'dtype':>9} {'step':>12} {'old ms':>9} {'new ms':>9} {'new/old':>8}")
         for dtype in a.dtypes.split(","):
             for batch in [int(b) for b in a.batch_sizes.split(",")]:
