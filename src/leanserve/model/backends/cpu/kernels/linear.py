@@ -67,9 +67,8 @@ def _streamed(x, w, out, n):  # pragma: no cover - compiled
     # out[:n] = x[:n] @ w^T for one or two rows of x against a weight read from memory, a weight row at a time (each
     # row followed by the next: one sequential stream, which the prefetchers follow best, where the tiles' four or
     # eight rows at once are as many streams), with a prefetch simd.STREAM_AHEAD bytes on; the tiles' arithmetic.
-    # bfloat16 [5888 x 4096] from memory on two threads, of a 35.5 GB/s read: one row of x 31.6 GB/s against 24.5,
-    # two 33.5 against 28.3; three and four rows 0.83x and 0.67x the tiles (their loads of x, one per multiply-add,
-    # bind), so they keep them.
+    # bfloat16 [5888 x 4096] from memory on two threads: 0.79x the tiles' time at one and two rows of x, 1.2x and
+    # 1.5x at three and four (a load of x per multiply-add binds), which keep the tiles (docs/kernels.md).
     if n == 1:
         for j in range(w.shape[0]):
             _T1S(x, w, out, 0, j)

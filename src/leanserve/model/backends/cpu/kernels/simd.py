@@ -127,21 +127,18 @@ def _make_tile(rows: int, cols: int, stream: bool = False):
                         prod = builder.fmul(ws[c], xv, flags=fast)
                         builder.store(builder.fadd(builder.load(ptr), prod, flags=fast), ptr)
 
-            per = (64 // (2 if widen else 4)) // 16 if stream else 1  # (chunks of 16 a 64-byte line of w)
-            lines = builder.udiv(chunks, ir.Constant(intp, per))
-            with cgutils.for_range(builder, lines) as loop:
+            per = 64 // 16 // (2 if widen else 4) if stream else 1  # (chunks a step: a 64-byte line of w streamed)
+            steps = builder.udiv(chunks, ir.Constant(intp, per))
+            with cgutils.for_range(builder, steps) as loop:
                 k0 = builder.mul(loop.index, ir.Constant(intp, 16 * per))
                 if stream:
                     p = cgutils.get_item_pointer(context, builder, w_t, wa, [wrow[0], k0], wraparound=False)
                     _prefetch(builder, p, STREAM_AHEAD)
                 for c in range(per):
                     chunk(builder.add(k0, ir.Constant(intp, 16 * c)))
-            with cgutils.for_range(builder, builder.sub(chunks, builder.mul(lines, ir.Constant(intp, per)))) as loop:
-                chunk(
-                    builder.mul(
-                        builder.add(builder.mul(lines, ir.Constant(intp, per)), loop.index), ir.Constant(intp, 16)
-                    )
-                )
+            stepped = builder.mul(steps, ir.Constant(intp, per))
+            with cgutils.for_range(builder, builder.sub(chunks, stepped)) as loop:  # (a last chunk short of a line)
+                chunk(builder.mul(builder.add(stepped, loop.index), ir.Constant(intp, 16)))
             done = builder.mul(chunks, ir.Constant(intp, 16))
             for r in range(rows):
                 for c in range(cols):
