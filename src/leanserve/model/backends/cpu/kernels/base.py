@@ -238,6 +238,7 @@ if numba is not None:
 
 
 _threaded_ok: bool | None = None
+_numba_threads = numba.config.NUMBA_NUM_THREADS if numba is not None else 1  # (numba's pool, fixed at its start)
 _max_threads: int | None = None  # a cap (pipeline stages sharing the machine's cores), None = torch's count
 
 
@@ -259,23 +260,23 @@ def one_thread():
 
 
 def threads() -> int:
-    """How many cores a threaded kernel spreads over here (1 where threaded parts do not run)."""
-    if not _threads_ok():
-        return 1
-    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    return n if _max_threads is None else min(n, _max_threads)
+    """How many cores a threaded kernel spreads over here (1 where threaded parts do not run). Asked before each
+    threaded call, often right after a weight's stream has swept the caches: one call into torch, the rest
+    module globals (with two calls into torch and numba's config it cost 12 us there, against 0.6 us warm)."""
+    n = min(torch.get_num_threads(), _numba_threads)
+    if _max_threads is not None:
+        n = min(n, _max_threads)
+    return n if n > 1 and _threads_ok() else 1
 
 
 def _threads_ok() -> bool:
-    """Whether threaded parts run: torch may use more than one thread (`--threads`, torch.set_num_threads),
-    and numba has more than one and its OpenMP (or TBB) threading layer. Its fallback layer (workqueue) costs
-    more to wake than these kernels take, so it is not used."""
+    """Whether threaded parts run: numba has more than one thread and its OpenMP (or TBB) threading layer (torch
+    may use more than one thread too: `--threads`, torch.set_num_threads, see threads()). Its fallback layer
+    (workqueue) costs more to wake than these kernels take, so it is not used."""
     global _threaded_ok
-    if torch.get_num_threads() < 2 or (_max_threads is not None and _max_threads < 2):
-        return False
     if _threaded_ok is None:
         _threaded_ok = False
-        if numba.config.NUMBA_NUM_THREADS > 1:
+        if _numba_threads > 1:
             _probe(np.zeros(2, dtype=np.float32))
             _threaded_ok = numba.threading_layer() in ("omp", "tbb")
     return _threaded_ok
