@@ -172,6 +172,12 @@ def main() -> int:
         torch.set_num_threads(a.threads)
 
     repo = Path(__file__).resolve().parents[1]
+    # numba tells a cached build apart by its own file's time stamp: after a change to one kernel file, the builds
+    # of kernels in other files that compile it in would still hold its old code, and this checkout's arm run it
+    from leanserve.prebuild import clear_stale_builds
+
+    if clear_stale_builds():
+        print("(this checkout's kernel files changed since its cached builds: they compile again)")
     with tempfile.TemporaryDirectory() as tmp:
         load_old(a.ref, repo, Path(tmp))
         if a.linears:
