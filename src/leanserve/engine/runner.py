@@ -433,7 +433,8 @@ class StageRunner:
         if self.grammars.matchers:  # (constrained rows: their grammar's mask, after bias and penalties)
             logits = self.grammars.mask(logits, samples)
         plain = len(params) == len(samples)  # no drafts
-        if plain and all(_is_greedy(p) for p in params):  # (argmax rows: no seeds or steps to draw with)
+        greedy = all(_is_greedy(p) for p in params)
+        if plain and greedy:  # (argmax rows: no seeds or steps to draw with)
             seeds_t = steps_t = _NO_ROWS
         else:
             seeds_t, steps_t = torch.tensor(seeds, dtype=torch.long), torch.tensor(steps, dtype=torch.long)
@@ -444,7 +445,7 @@ class StageRunner:
             drafts_t = torch.tensor(drafts, dtype=torch.long)
             q = None
             # Model drafts of sampled requests were drawn from q; ngram drafts and greedy drafts need no q.
-            if self.proposer is not None and not all(_is_greedy(p) for p in params):
+            if self.proposer is not None and not greedy:
                 q = self.proposer.draft_probs[torch.tensor(slots), torch.tensor(cols)]
             accepted_t, emit = self.sampler.verify(logits, params, seeds_t, steps_t, drafts_t, q)
             final = torch.where(accepted_t, drafts_t, emit)
