@@ -60,24 +60,24 @@ def _linear_tiles(x, w, out, n):  # pragma: no cover - compiled
 _linear_tiles_jit = _jit(_linear_tiles, fastmath=_EXACT)  # (no reassociation: the tiles keep their order)
 
 
-STREAM_ROWS = 2  # rows of x up to which a linear reads its weight a row at a time (_streamed)
-
-
-def _streamed(x, w, out, n):  # pragma: no cover - compiled
-    # out[:n] = x[:n] @ w^T for one or two rows of x against a weight read from memory, a weight row at a time (each
-    # row followed by the next: one sequential stream, which the prefetchers follow best, where the tiles' four or
-    # eight rows at once are as many streams), with a prefetch simd.STREAM_AHEAD bytes on; the tiles' arithmetic.
-    # bfloat16 [5888 x 4096] from memory on two threads: 0.79x the tiles' time at one and two rows of x, 1.2x and
-    # 1.5x at three and four (a load of x per multiply-add binds), which keep the tiles (docs/kernels.md).
+def _few_rows(x, w, out, n):  # pragma: no cover - compiled
+    # out[:n] = x[:n] @ w^T for one to four rows of x against a weight read from memory, each weight entry read once
+    # (decode at batch 1-4, verification). One or two rows meet it a weight row at a time (each row followed by the
+    # next: one sequential stream, which the prefetchers follow best, where the tiles' four or eight rows at once
+    # are as many streams), with a prefetch simd.STREAM_AHEAD bytes on; the tiles' arithmetic. bfloat16 [5888 x
+    # 4096] from memory on two threads: 0.79x the tiles' time at one and two rows of x, 1.2x and 1.5x at three and
+    # four (a load of x per multiply-add binds), which keep the tiles (docs/kernels.md).
     if n == 1:
         for j in range(w.shape[0]):
             _T1S(x, w, out, 0, j)
-    else:
+    elif n == 2:
         for j in range(w.shape[0]):
             _T2S(x, w, out, 0, j)
+    else:
+        _linear_tiles_jit(x, w, out, n)
 
 
-_streamed_jit = _jit(_streamed, fastmath=_EXACT)  # (no reassociation, as _linear_tiles_jit)
+_few_rows_jit = _jit(_few_rows, fastmath=_EXACT)  # (no reassociation, as _linear_tiles_jit)
 
 
 ROW_BLOCK = 16  # weight rows per block (16 KB at 256 inputs): it stays in L1 while every row of x passes over it
@@ -96,11 +96,8 @@ if numba is not None:
         if w.dtype == numba.types.float32:
 
             def blocked(x, w, out, n):
-                if n <= STREAM_ROWS:
-                    _streamed_jit(x, w, out, n)
-                    return
                 if n <= 4:  # (a single band of rows: every weight row is read once anyway)
-                    _linear_tiles_jit(x, w, out, n)
+                    _few_rows_jit(x, w, out, n)
                     return
                 for j0 in range(0, w.shape[0], ROW_BLOCK):
                     j1 = min(w.shape[0], j0 + ROW_BLOCK)
@@ -109,11 +106,8 @@ if numba is not None:
             return blocked
 
         def widened(x, w, out, n):
-            if n <= STREAM_ROWS:
-                _streamed_jit(x, w, out, n)
-                return
             if n <= 4:  # (decode at batch 1-4, verification): each weight entry widened in registers, once
-                _linear_tiles_jit(x, w, out, n)
+                _few_rows_jit(x, w, out, n)
                 return
             k_dim = w.shape[1]
             buf = _empty64_f32(ROW_BLOCK, k_dim).view(np.uint32)

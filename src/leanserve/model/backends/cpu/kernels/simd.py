@@ -74,7 +74,7 @@ def tile_dot(rows: int, cols: int, stream: bool = False):
     return _make_tile(rows, cols, stream) if numba is not None else None
 
 
-# Bytes ahead of the streaming tiles' weight loads that they ask L2 for (linear._streamed: weight rows one at a
+# Bytes ahead of the streaming tiles' weight loads that they ask L2 for (linear._few_rows: weight rows one at a
 # time, each followed by the next, are one sequential stream). One row of x against bfloat16 [5888 x 4096] from
 # memory on two threads: 34.7 GB/s against 26.2 (eight rows without a prefetch) and 31.0 (eight rows, the next
 # eight prefetched), of a 36.0 GB/s read; 4 KB ahead 33.8.
