@@ -37,6 +37,7 @@ from leanserve.model.backends.cpu.kernels.rowdots import (
     _AVX512,
     _AVX512_BF16,
     _F16C,
+    _SUBNORMALS_CHEAP,
     FP4_CHUNK,
     fp4_permuted_x,
     fp4_row_dots,
@@ -237,11 +238,13 @@ def _fp8_walks(row_dots):
 
 if numba is not None:
     _fp8_scaled_x = _inlined(_fp8_scaled_x)
-    # float32 x: the bytes decoded through float16 (fp8_row_dots' `half`; against the raw decode 0.81-0.97x at two to
-    # twelve rows of x); one row of x a weight row at a time, four weight rows at a time for two rows of x, three
+    # float32 x: the bytes decoded through float16 (fp8_row_dots' `half`; on Intel cores against the raw decode
+    # 0.81-0.97x at two to twelve rows of x) or, on Zen cores, where subnormals cost nothing, straight into float32
+    # bits (in cache 0.76-0.93x the time of the float16 decode at one to sixteen rows of x), as on x86 cores without F16C
+    # (from before 2012); one row of x a weight row at a time, four weight rows at a time for two rows of x, three
     # for three or four (against two: the published step 0.98x at batch 3 and 4), two for more, in passes of four
     # (three: 1.05x at batch 8)
-    _HALF = _F16C  # (without F16C, x86 cores from before 2012, every walk decodes straight into float32 bits)
+    _HALF = _F16C and not _SUBNORMALS_CHEAP
     _REBASE = HALF_REBASE if _HALF else RAW_REBASE
     _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, _HALF), 1, fp8_row_dots(1, 1, _HALF), 1, rebase=_REBASE)
     _FP8_2, _FP8_3, _FP8_4 = [

@@ -144,7 +144,7 @@ def _make_fp8_dots(rows: int, xrows: int, half: bool):
 # scale bytes loaded four chunks at a time, one shuffle spreading each chunk's over its lanes). A last chunk of 1-3
 # groups is read with masked loads (missing codes read as 0, x padded with zeros). Without AVX-512 the loop in
 # _fp4_rows does the same math in an order of its own.
-_AVX512 = _AVX512_BF16 = _F16C = False
+_AVX512 = _AVX512_BF16 = _F16C = _SUBNORMALS_CHEAP = False
 if numba is not None:
     import llvmlite.binding as _llvm
 
@@ -152,6 +152,9 @@ if numba is not None:
     _AVX512 = bool(_features.get("avx512f", False))
     _AVX512_BF16 = _AVX512 and bool(_features.get("avx512bf16", False))
     _F16C = bool(_features.get("f16c", False))  # (vcvtph2ps, which fp8_row_dots' `half` decode needs)
+    # AMD's Zen cores multiply float32 subnormals at full speed (Intel's take a microcode assist for each): there the
+    # FP8 row dots decode straight into float32 bits (docs/kernels.md)
+    _SUBNORMALS_CHEAP = _llvm.get_host_cpu_name().startswith("znver")
 
 FP4_CHUNK = 128  # values per chunk of the AVX-512 row dots: 64 bytes, 4 groups
 
