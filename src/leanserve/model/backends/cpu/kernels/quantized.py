@@ -246,7 +246,7 @@ if numba is not None:
     # (three: 1.05x at batch 8)
     _HALF = _F16C and not _SUBNORMALS_CHEAP
     _REBASE = HALF_REBASE if _HALF else RAW_REBASE
-    _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, _HALF), 1, fp8_row_dots(1, 1, _HALF), 1, rebase=_REBASE)
+    _FP8_1 = _fp8_scaled_walk(fp8_row_dots(4, 1, _HALF), 4, fp8_row_dots(1, 1, _HALF), 1, rebase=_REBASE)
     _FP8_2, _FP8_3, _FP8_4 = [
         _fp8_scaled_walk(
             fp8_row_dots(4 if t <= 2 else 3, t, _HALF),
@@ -293,8 +293,9 @@ SHORT_FP8_ROW = 2048
 # Two runs of the same kernel in one process, from memory on two threads, one row per call against four: [8192 x
 # 4096] 1.09x at one float32 row of x (16 KB), 1.23x at two bfloat16 rows; [4096 x 8192] 1.08x at one bfloat16 row;
 # and where x is larger, 0.67-0.77x (two float32 rows of 4096, two of 8192). One float32 row of 8192 (32 KB) goes
-# one at a time all the same: [4096 x 8192] from memory on two threads 27.0-27.2 GB/s against 25.1-25.7 four rows at
-# a time (two runs, 2026-12-06).
+# one at a time all the same through the float16 decode: [4096 x 8192] from memory on two threads 27.0-27.2 GB/s
+# against 25.1-25.7 four rows at a time (two runs, Intel, 2026-12-06). Decoded raw (Zen cores) it goes four at a
+# time: one at a time it read at 11.5 GB/s from memory on one thread against 17.2 (and 20.9-21.7 where x fits L1).
 X_IN_L1 = 16384  # bytes
 # FP8 weights meet up to this many rows of x rounded to bfloat16 in the row dots (the MTP layer's h_proj takes its
 # four mHC streams per token: eight rows after an accepted draft). More take the dequantized blocks and tiles.
@@ -330,7 +331,8 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
     m, k_dim = out.shape[1], q.shape[1]
     full = k_dim // FP8_BLOCK
     contiguous = q.strides[1] == 1 and x.strides[1] == 4 and m > 0  # (the row dots' contiguous loads)
-    one = n == 1 or k_dim <= SHORT_FP8_ROW or n * k_dim * (2 if xb.shape[0] > 0 else 4) <= X_IN_L1  # (a row a call)
+    fits = k_dim <= SHORT_FP8_ROW or n * k_dim * (2 if xb.shape[0] > 0 else 4) <= X_IN_L1
+    one = n == 1 or fits  # (a row a call)
     if _AVX512_BF16 and xb.shape[0] > 0 and contiguous:  # x rounded and interleaved (_fp8_inputs)
         if n == 1:
             _FP8B_1(q, s, r0, xb, full, out, not one)
@@ -360,7 +362,7 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
         if vector:  # (weight rows at a time, within one 128-row scale block, share the loads of x; rows of x
             # each decoded weight vector; short rows, and rows whose x fits L1, one at a time: SHORT_FP8_ROW)
             if n == 1:
-                _FP8_1(q, s, r0, x, full, out, False, n)
+                _FP8_1(q, s, r0, x, full, out, not (fits or _HALF), n)  # (decoded raw: a row a call while x fits)
             elif n == 2:
                 _FP8_2(q, s, r0, x, full, out, not one, n)
             elif n == 3:
