@@ -240,13 +240,18 @@ if numba is not None:
     _fp8_scaled_x = _inlined(_fp8_scaled_x)
     # float32 x: the bytes decoded through float16 (fp8_row_dots' `half`; on Intel cores against the raw decode
     # 0.81-0.97x at two to twelve rows of x) or, on Zen cores, where subnormals cost nothing, straight into float32
-    # bits (in cache 0.76-0.93x the time of the float16 decode at one to sixteen rows of x), as on x86 cores without F16C
-    # (from before 2012); one row of x a weight row at a time, four weight rows at a time for two rows of x, three
-    # for three or four (against two: the published step 0.98x at batch 3 and 4), two for more, in passes of four
-    # (three: 1.05x at batch 8)
+    # bits (in cache 0.76-0.93x the time of the float16 decode at one to sixteen rows of x), as on x86 cores
+    # without F16C (from before 2012); four weight rows at a time for two rows of x, three for three or four
+    # (against two: the published step 0.98x at batch 3 and 4), two for more, in passes of four (three: 1.05x at
+    # batch 8)
     _HALF = _F16C and not _SUBNORMALS_CHEAP
     _REBASE = HALF_REBASE if _HALF else RAW_REBASE
-    _FP8_1 = _fp8_scaled_walk(fp8_row_dots(4, 1, _HALF), 4, fp8_row_dots(1, 1, _HALF), 1, rebase=_REBASE)
+    # one row of x, a weight row at a time: through float16 where F16C is (_FP8_1), but on Zen cores raw while x
+    # fits half of L1 (_FP8_1R); where it does not (the [4096 x 8192] output projection) the raw decode read at
+    # 0.69-0.70x the float16 rate from memory, four weight rows at a time 0.94x
+    _REBASE1 = HALF_REBASE if _F16C else RAW_REBASE
+    _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, _F16C), 1, fp8_row_dots(1, 1, _F16C), 1, rebase=_REBASE1)
+    _FP8_1R = _FP8_1 if not _F16C else _fp8_scaled_walk(fp8_row_dots(1, 1), 1, fp8_row_dots(1, 1), 1)
     _FP8_2, _FP8_3, _FP8_4 = [
         _fp8_scaled_walk(
             fp8_row_dots(4 if t <= 2 else 3, t, _HALF),
@@ -261,7 +266,7 @@ if numba is not None:
         fp8_row_dots(2, 4, _HALF), 2, fp8_row_dots(1, 4, _HALF), 4, many=True, rebase=_REBASE
     )
 else:
-    _FP8_1 = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_MANY = None
+    _FP8_1 = _FP8_1R = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_MANY = None
 _FP8B_1, _FP8B_2, _FP8B_3, _FP8B_4 = _fp8_walks(fp8_bf16_row_dots) if numba is not None else [None] * 4
 # and eight rows of x, a weight row at a time (five to seven come padded with rows of zeros: _fp8_inputs)
 _FP8B_8 = _fp8_walk(fp8_bf16_row_dots(1, 8), 1, fp8_bf16_row_dots(1, 8)) if numba is not None else None
@@ -293,9 +298,8 @@ SHORT_FP8_ROW = 2048
 # Two runs of the same kernel in one process, from memory on two threads, one row per call against four: [8192 x
 # 4096] 1.09x at one float32 row of x (16 KB), 1.23x at two bfloat16 rows; [4096 x 8192] 1.08x at one bfloat16 row;
 # and where x is larger, 0.67-0.77x (two float32 rows of 4096, two of 8192). One float32 row of 8192 (32 KB) goes
-# one at a time all the same through the float16 decode: [4096 x 8192] from memory on two threads 27.0-27.2 GB/s
-# against 25.1-25.7 four rows at a time (two runs, Intel, 2026-12-06). Decoded raw (Zen cores) it goes four at a
-# time: one at a time it read at 11.5 GB/s from memory on one thread against 17.2 (and 20.9-21.7 where x fits L1).
+# one at a time all the same, through the float16 decode: [4096 x 8192] from memory on two threads 27.0-27.2 GB/s
+# against 25.1-25.7 four rows at a time (two runs, Intel, 2026-12-06).
 X_IN_L1 = 16384  # bytes
 # FP8 weights meet up to this many rows of x rounded to bfloat16 in the row dots (the MTP layer's h_proj takes its
 # four mHC streams per token: eight rows after an accepted draft). More take the dequantized blocks and tiles.
@@ -362,7 +366,10 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
         if vector:  # (weight rows at a time, within one 128-row scale block, share the loads of x; rows of x
             # each decoded weight vector; short rows, and rows whose x fits L1, one at a time: SHORT_FP8_ROW)
             if n == 1:
-                _FP8_1(q, s, r0, x, full, out, not (fits or _HALF), n)  # (decoded raw: a row a call while x fits)
+                if fits and not _HALF:
+                    _FP8_1R(q, s, r0, x, full, out, False, n)
+                else:
+                    _FP8_1(q, s, r0, x, full, out, False, n)
             elif n == 2:
                 _FP8_2(q, s, r0, x, full, out, not one, n)
             elif n == 3:
