@@ -374,7 +374,7 @@ def test_fp4_inputs_round_to_bfloat16_as_torch_does():
 @pytest.mark.parametrize("rows", [1, 2, 4, 7])
 def test_fp8_row_dots_decode_the_same_both_ways(rows):
     # The float32 FP8 row dots decode e4m3 bytes straight into float32 bits, or through float16 (no float32
-    # subnormals; Intel hosts take it, Zen hosts only at one row of x beyond half of L1): the same products and
+    # subnormals; most hosts take it, Zen 4 ones only at one row of x beyond half of L1): the same products and
     # sums, so the same bits, over every e4m3 byte (subnormals and zeros included). Each way alone is checked
     # against the dequantized weight below; this holds the host's choice to the other one.
     import numba

@@ -239,14 +239,14 @@ def _fp8_walks(row_dots):
 if numba is not None:
     _fp8_scaled_x = _inlined(_fp8_scaled_x)
     # float32 x: the bytes decoded through float16 (fp8_row_dots' `half`; on Intel cores against the raw decode
-    # 0.81-0.97x at two to twelve rows of x) or, on Zen cores, where subnormals cost nothing, straight into float32
+    # 0.81-0.97x at two to twelve rows of x) or, on Zen 4 cores, where subnormals cost nothing, straight into float32
     # bits (in cache 0.76-0.93x the time of the float16 decode at one to sixteen rows of x), as on x86 cores
     # without F16C (from before 2012); four weight rows at a time for two rows of x, three for three or four
     # (against two: the published step 0.98x at batch 3 and 4), two for more, in passes of four (three: 1.05x at
     # batch 8)
     _HALF = _F16C and not _SUBNORMALS_CHEAP
     _REBASE = HALF_REBASE if _HALF else RAW_REBASE
-    # one row of x, a weight row at a time: through float16 where F16C is (_FP8_1), but on Zen cores raw while x
+    # one row of x, a weight row at a time: through float16 where F16C is (_FP8_1), but on Zen 4 cores raw while x
     # fits half of L1 (_FP8_1R); where it does not (the [4096 x 8192] output projection) the raw decode read at
     # 0.69-0.70x the float16 rate from memory, four weight rows at a time 0.94x
     _REBASE1 = HALF_REBASE if _F16C else RAW_REBASE

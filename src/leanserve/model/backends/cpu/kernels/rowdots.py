@@ -152,9 +152,10 @@ if numba is not None:
     _AVX512 = bool(_features.get("avx512f", False))
     _AVX512_BF16 = _AVX512 and bool(_features.get("avx512bf16", False))
     _F16C = bool(_features.get("f16c", False))  # (vcvtph2ps, which fp8_row_dots' `half` decode needs)
-    # AMD's Zen cores multiply float32 subnormals at full speed (Intel's take a microcode assist for each): there the
-    # FP8 row dots decode straight into float32 bits (docs/kernels.md)
-    _SUBNORMALS_CHEAP = _llvm.get_host_cpu_name().startswith("znver")
+    # AMD's Zen 4 cores multiply float32 subnormals at full speed (Intel's take a microcode assist for each) and
+    # widen float16 slowly: there the FP8 row dots decode straight into float32 bits (docs/kernels.md; other Zen
+    # generations are not measured)
+    _SUBNORMALS_CHEAP = _llvm.get_host_cpu_name() == "znver4"
 
 FP4_CHUNK = 128  # values per chunk of the AVX-512 row dots: 64 bytes, 4 groups
 
