@@ -247,11 +247,11 @@ if numba is not None:
     _HALF = _F16C and not _SUBNORMALS_CHEAP
     _REBASE = HALF_REBASE if _HALF else RAW_REBASE
     # one row of x, a weight row at a time: through float16 where F16C is (_FP8_1), but on Zen 4 cores raw while x
-    # fits half of L1 (_FP8_1R); where it does not (the [4096 x 8192] output projection) the raw decode read at
-    # 0.69-0.70x the float16 rate from memory, four weight rows at a time 0.94x
+    # fits half of L1 (_FP8_1R, elsewhere _FP8_1 itself); where it does not (the [4096 x 8192] output projection)
+    # the raw decode read at 0.69-0.70x the float16 rate from memory there, four weight rows at a time 0.94x
     _REBASE1 = HALF_REBASE if _F16C else RAW_REBASE
     _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, _F16C), 1, fp8_row_dots(1, 1, _F16C), 1, rebase=_REBASE1)
-    _FP8_1R = _FP8_1 if not _F16C else _fp8_scaled_walk(fp8_row_dots(1, 1), 1, fp8_row_dots(1, 1), 1)
+    _FP8_1R = _fp8_scaled_walk(fp8_row_dots(1, 1), 1, fp8_row_dots(1, 1), 1) if _F16C and not _HALF else _FP8_1
     _FP8_2, _FP8_3, _FP8_4 = [
         _fp8_scaled_walk(
             fp8_row_dots(4 if t <= 2 else 3, t, _HALF),
@@ -366,7 +366,7 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
         if vector:  # (weight rows at a time, within one 128-row scale block, share the loads of x; rows of x
             # each decoded weight vector; short rows, and rows whose x fits L1, one at a time: SHORT_FP8_ROW)
             if n == 1:
-                if fits and not _HALF:
+                if fits:  # (the same walk but on Zen 4 cores)
                     _FP8_1R(q, s, r0, x, full, out, False, n)
                 else:
                     _FP8_1(q, s, r0, x, full, out, False, n)
