@@ -420,10 +420,11 @@ def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features,
     # big_scale one above 2^7 (the vector loops' rebased scale would not be a float32: the general loop runs):
     # each output is x . W dequantized, up to float32 rounding of its sum. Rows of 330 inputs are read one at a
     # time; of 2100 and 4200 (more than SHORT_FP8_ROW) one at a time at one row of x or while the rows of x fit
-    # X_IN_L1, else two to four at a time (both ways for each length, over the rows of x and bf16). With bf16 (Fp8Weight.inputs) the
-    # sums are those of x rounded to bfloat16 (on AVX512-BF16 the bfloat16 row dots up to FEW_BF16_ROWS rows of x,
-    # elsewhere float32). Up to FEW_FP8_ROWS rows of x (four at a time, the last four padded) each row's sums are
-    # the same bits as alone, but for bf16 on AVX512-BF16 beyond FEW_BF16_ROWS (float32 sums of the rounded x).
+    # X_IN_L1, else two to four at a time (both ways for each length, over the rows of x and bf16). With bf16
+    # (Fp8Weight.inputs) the sums are those of x rounded to bfloat16 (on AVX512-BF16 the bfloat16 row dots up to
+    # FEW_BF16_ROWS rows of x, elsewhere float32). Up to FEW_FP8_ROWS rows of x (four at a time, the last four
+    # padded) each row's sums are the same bits as alone, but for bf16 on AVX512-BF16 beyond FEW_BF16_ROWS (float32
+    # sums of the rounded x).
     from leanserve.model.backends.cpu.kernels.quantized import (
         _AVX512_BF16,
         FEW_BF16_ROWS,

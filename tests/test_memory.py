@@ -356,8 +356,8 @@ def test_cuda_memory_allocated_is_the_weights_plus_the_ledger(tiny_ckpt):  # pra
     assert torch.cuda.memory_allocated() - before == weights + ledger
 
 
-def _mapping_of(ptr: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping holding address ptr."""
+def _mapping_of(ptr: int) -> dict[str, str | tuple[int, int]]:
+    """The /proc/self/smaps fields of the mapping holding address ptr, and its address range ("range": (lo, hi))."""
     fields, inside = {}, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0] if line.split() else ""
