@@ -249,8 +249,9 @@ if numba is not None:
     # one row of x, a weight row at a time: through float16 where F16C is (_FP8_1), but on Zen 4 cores raw while x
     # fits half of L1 (_FP8_1R, elsewhere _FP8_1 itself); where it does not (the [4096 x 8192] output projection)
     # the raw decode read at 0.69-0.70x the float16 rate from memory there, four weight rows at a time 0.94x
-    _REBASE1 = HALF_REBASE if _F16C else RAW_REBASE
-    _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, _F16C), 1, fp8_row_dots(1, 1, _F16C), 1, rebase=_REBASE1)
+    _FP8_1 = _fp8_scaled_walk(
+        fp8_row_dots(1, 1, _F16C), 1, fp8_row_dots(1, 1, _F16C), 1, rebase=HALF_REBASE if _F16C else RAW_REBASE
+    )
     _FP8_1R = _fp8_scaled_walk(fp8_row_dots(1, 1), 1, fp8_row_dots(1, 1), 1) if _F16C and not _HALF else _FP8_1
     _FP8_2, _FP8_3, _FP8_4 = [
         _fp8_scaled_walk(
