@@ -312,7 +312,7 @@ from leanserve.model.backends.cpu.kernels import quantized
 from leanserve.model.quant import quantize_fp4, quantize_fp8
 
 assert quantized._FP4B_1 is None and quantized._FP8B_1 is None
-assert (quantized._FP4_1 is None) == ("avx512" in sys.argv[1:])
+assert (quantized._FP4_1 is None) == (not features().get("avx2", False))
 w8 = quantize_fp8(torch.randn(40, 300))
 for n in (1, 2, 5):
     x = torch.randn(n, 300)
@@ -335,11 +335,11 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("without", [["avx512bf16"], ["avx512"]])
-def test_quantized_readers_compile_and_agree_on_hosts_without_avx512_bf16_or_avx512(without, tmp_path):
-    # On a host without AVX512-BF16 (or without AVX-512) the few-row FP4 and FP8 readers compile without the
-    # intrinsics they cannot use and give the same sums, float32 or bfloat16 inputs (a fresh process and kernel
-    # cache that see this host's CPU features less those named).
+@pytest.mark.parametrize("without", [["avx512bf16"], ["avx512"], ["avx512", "avx2"]])
+def test_quantized_readers_compile_and_agree_on_hosts_without_avx512_bf16_avx512_or_avx2(without, tmp_path):
+    # On a host without AVX512-BF16 (or without AVX-512, or without AVX2 either) the few-row FP4 and FP8 readers
+    # compile without the intrinsics they cannot use and give the same sums, float32 or bfloat16 inputs (a fresh
+    # process and kernel cache that see this host's CPU features less those named).
     import subprocess
     import sys
 

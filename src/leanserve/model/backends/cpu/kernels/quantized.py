@@ -39,6 +39,7 @@ from leanserve.model.backends.cpu.kernels.rowdots import (
     _F16C,
     _SUBNORMALS_CHEAP,
     FP4_CHUNK,
+    fp4_order,
     fp4_permuted_x,
     fp4_row_dots,
     fp8_row_dots,
@@ -53,7 +54,7 @@ from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts, F
 # FP8 values meet x times their block's scale (exact: a power of two), FP4 groups' sums are times their scale;
 # a different float32 summation order. The decoders are integer arithmetic (they vectorise): an e4m3 byte's bits
 # shifted into a float32's, the rebase folded into the block's scale (_e4m3_raw); FP4 codes by their exponent and
-# mantissa bits, or a table lookup on AVX-512 (rowdots.fp4_row_dots).
+# mantissa bits, or table lookups on AVX-512 and AVX2 (rowdots.fp4_row_dots).
 # The e4m3fn NaN bytes (0x7F, 0xFF) are not decoded as NaN (the quantizers never write them).
 
 
@@ -271,7 +272,8 @@ else:
 _FP8B_1, _FP8B_2, _FP8B_3, _FP8B_4 = _fp8_walks(fp8_bf16_row_dots) if numba is not None else [None] * 4
 # and eight rows of x, a weight row at a time (five to seven come padded with rows of zeros: _fp8_inputs)
 _FP8B_8 = _fp8_walk(fp8_bf16_row_dots(1, 8), 1, fp8_bf16_row_dots(1, 8)) if numba is not None else None
-_FP4_1, _FP4_2, _FP4_3, _FP4_4 = [_fp4_walk(fp4_row_dots(1, t)) for t in (1, 2, 3, 4)]  # (None without AVX-512)
+_FP4_1, _FP4_2, _FP4_3, _FP4_4 = [_fp4_walk(fp4_row_dots(1, t)) for t in (1, 2, 3, 4)]  # (None without AVX2)
+_FP4_ORDER = fp4_order(_AVX512)  # (the order of x they read)
 _FP4B_1, _FP4B_2, _FP4B_3, _FP4B_4 = [_fp4_walk(fp4_bf16_row_dots(t)) for t in (1, 2, 3, 4)]  # (or AVX512-BF16)
 _fp4_permuted_x_jit = _jit(fp4_permuted_x)
 _fp4_bf16_x_jit = _jit(fp4_bf16_x)
@@ -447,10 +449,10 @@ def _fp4_rows(x, packed, s, out, n, bf16):  # pragma: no cover - compiled
         return
     if bf16:  # (the same products in float32 elsewhere)
         x = _bf16_rounded_jit(x, n)
-    if n <= 4 and _AVX512:  # a few rows: x permuted once (fp4_permuted_x), then a weight row at a time, each
+    if n <= 4 and _FP4_1 is not None:  # a few rows: x permuted once (fp4_permuted_x), then a weight row at a time, each
         # decoded chunk meeting every row of x
         xp = _empty64_f32(n, padded)
-        _fp4_permuted_x_jit(x, xp, n)
+        _fp4_permuted_x_jit(x, xp, n, _FP4_ORDER)
         if n == 1:
             _FP4_1(packed, s, xp, out, m)
         elif n == 2:
@@ -460,7 +462,7 @@ def _fp4_rows(x, packed, s, out, n, bf16):  # pragma: no cover - compiled
         else:
             _FP4_4(packed, s, xp, out, m)
         return
-    if n <= 4:  # the same without AVX-512: x's even and odd elements apart, then per row its groups' sums
+    if n <= 4:  # the same without AVX2: x's even and odd elements apart, then per row its groups' sums
         xe = np.empty((n, half), dtype=np.float32)
         xo = np.empty((n, half), dtype=np.float32)
         for t in range(n):

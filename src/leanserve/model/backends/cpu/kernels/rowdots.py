@@ -6,6 +6,7 @@ bf16dots.py."""
 from __future__ import annotations
 
 import functools
+import struct
 
 from leanserve.model.backends.cpu.kernels.base import numba
 from leanserve.model.backends.cpu.kernels.simd import _lanes_sum, _prefetch, _splat
@@ -134,54 +135,137 @@ def _make_fp8_dots(rows: int, xrows: int, half: bool):
     return dots
 
 
-# FP4 at one to four rows, on AVX-512: each weight row's dot products in vector registers (LLVM IR below), the
-# codes decoded by a 16-entry table lookup (vpermps, which reads only an index's low 4 bits). The row is read in
-# chunks of 64 bytes, 128 values, loaded as 16 dwords straight from memory: dword i holds values 8i .. 8i + 7,
-# one per nibble, so nibble p of every dword is one shift (p * 4 bits) and one lookup away from 16 values, with no
-# byte shuffles; x comes permuted to match once per call (fp4_permuted_x: its element 8i + p of a chunk at 16p + i).
-# Lane i of a chunk holds values of group i // 4 only (32 values, one scale): its 8 products (two chains) times
-# its group's scale are added to the lane's running sum; the lanes are summed at the end (at one row of x, a row's
-# scale bytes loaded four chunks at a time, one shuffle spreading each chunk's over its lanes). A last chunk of 1-3
-# groups is read with masked loads (missing codes read as 0, x padded with zeros). Without AVX-512 the loop in
-# _fp4_rows does the same math in an order of its own.
-_AVX512 = _AVX512_BF16 = _F16C = _SUBNORMALS_CHEAP = False
+# FP4 at one to four rows, on AVX-512 or AVX2: each weight row's dot products in vector registers (LLVM IR below).
+# The row is read in chunks of 64 bytes, 128 values, loaded as 16 dwords straight from memory, and decoded into 8
+# vectors of 16 values (_fp4_values): on AVX-512 dword i holds values 8i .. 8i + 7, one per nibble, so nibble p of
+# every dword is one shift (p * 4 bits) and one 16-entry table lookup (vpermps, which reads only an index's low 4
+# bits) away from 16 values, with no byte shuffles; on AVX2 byte lookups give each value's bfloat16 bits
+# (_fp4_values_avx2). x comes permuted to match once per call (fp4_permuted_x, in fp4_order). Lane i of a chunk
+# holds values of group i // 4 only (32 values, one scale): its 8 products (two chains) times its group's scale
+# are added to the lane's running sum; the lanes are summed at the end (at one row of x, a row's scale bytes loaded
+# four chunks at a time, one shuffle spreading each chunk's over its lanes). A last chunk of 1-3 groups is read
+# with masked loads (missing codes read as 0, x padded with zeros). Without AVX2 the loop in _fp4_rows does the
+# same math in an order of its own.
+_AVX512 = _AVX512_BF16 = _AVX2 = _F16C = _SUBNORMALS_CHEAP = False
 if numba is not None:
     import llvmlite.binding as _llvm
 
     _features = _llvm.get_host_cpu_features()
     _AVX512 = bool(_features.get("avx512f", False))
+    _AVX2 = bool(_features.get("avx2", False))
     _AVX512_BF16 = _AVX512 and bool(_features.get("avx512bf16", False))
     _F16C = bool(_features.get("f16c", False))  # (vcvtph2ps, which fp8_row_dots' `half` decode needs)
-    # AMD's Zen 4 cores multiply float32 subnormals at full speed (Intel's take a microcode assist for each) and
-    # widen float16 slowly: there the FP8 row dots decode straight into float32 bits (docs/kernels.md; other Zen
-    # generations are not measured)
-    _SUBNORMALS_CHEAP = _llvm.get_host_cpu_name() == "znver4"
+    # AMD's Zen 3 and Zen 4 cores multiply the few float32 subnormals of FP8 weights without a measurable cost
+    # (Intel's take a microcode assist for each) and widen float16 slowly: there the FP8 row dots decode straight
+    # into float32 bits (docs/kernels.md; other Zen generations are not measured)
+    _SUBNORMALS_CHEAP = _llvm.get_host_cpu_name() in ("znver3", "znver4")
 
-FP4_CHUNK = 128  # values per chunk of the AVX-512 row dots: 64 bytes, 4 groups
+FP4_CHUNK = 128  # values per chunk of the FP4 row dots: 64 bytes, 4 groups
 
 
-def fp4_permuted_x(x, xp, n):  # pragma: no cover - compiled (jitted in quantized.py)
-    """xp[t, 128c + 16p + i] = x[t, 128c + 8i + p] (0 past x's end) for t < n: x in fp4_row_dots' order."""
+def fp4_order(wide: bool):
+    """Which value of a 128-value chunk each slot of x's chunk holds for the FP4 row dots (fp4_permuted_x): slot
+    16p + i meets lane i of the chunk's p-th decoded <16 x float> (_fp4_values); lane i holds values of group
+    i // 4 only, either way."""
+    import numpy as np
+
+    if wide:  # (nibble p of dword i: value 8i + p)
+        return np.array([8 * i + p for p in range(8) for i in range(16)], dtype=np.int64)
+    # (half h of the chunk; lo / hi nibbles s; q: which of the four vectors _fp4_values_avx2 makes of them)
+    order = [
+        64 * h + 2 * (16 * (i // 4) + 8 * (q // 2) + 2 * (i % 4) + q % 2) + s
+        for s in (0, 1)
+        for q in range(4)
+        for h in (0, 1)
+        for i in range(8)
+    ]
+    return np.array(order, dtype=np.int64)
+
+
+def fp4_permuted_x(x, xp, n, order):  # pragma: no cover - compiled (jitted in quantized.py)
+    """xp[t, 128c + slot] = x[t, 128c + order[slot]] (0 past x's end) for t < n: x in the order fp4_row_dots read
+    it (fp4_order)."""
     k_dim, width = x.shape[1], xp.shape[1]
     for t in range(n):
         for c0 in range(0, width, FP4_CHUNK):
-            for p in range(8):
-                for i in range(16):
-                    k = c0 + 8 * i + p
-                    xp[t, c0 + 16 * p + i] = x[t, k] if k < k_dim else 0.0
+            for slot in range(FP4_CHUNK):
+                k = c0 + order[slot]
+                xp[t, c0 + slot] = x[t, k] if k < k_dim else 0.0
 
 
 @functools.cache
-def fp4_row_dots(rows: int, xrows: int = 1):
-    """The intrinsic `dots(packed, s, row0, xp, out, j)` on AVX-512: out[t, j + r] = sum_k W[row0 + r, k] *
-    x[t, k] for r < rows and t < xrows, W FP4 (packed [J, K / 2] uint8 with K a multiple of 32, s [J, K / 32]
-    UE8M0; last dimensions contiguous), x as fp4_permuted_x writes it (xp [xrows, >= K rounded up to 128]); the
-    rows share the loads of x, the rows of x each decoded chunk; each entry's arithmetic the same for any `rows`
-    and `xrows`."""
-    return _make_fp4_dots(rows, xrows) if _AVX512 else None
+def fp4_row_dots(rows: int, xrows: int = 1, wide: bool | None = None):
+    """The intrinsic `dots(packed, s, row0, xp, out, j)` on AVX-512 (`wide`, the host's choice by default) or
+    AVX2: out[t, j + r] = sum_k W[row0 + r, k] * x[t, k] for r < rows and t < xrows, W FP4 (packed [J, K / 2]
+    uint8 with K a multiple of 32, s [J, K / 32] UE8M0; last dimensions contiguous), x as fp4_permuted_x writes it
+    in fp4_order(wide) (xp [xrows, >= K rounded up to 128]); the rows share the loads of x, the rows of x each
+    decoded chunk; each entry's arithmetic the same for any `rows` and `xrows`. None where the host has neither."""
+    wide = _AVX512 if wide is None else wide
+    if numba is None or not (_AVX512 if wide else _AVX2):
+        return None
+    return _make_fp4_dots(rows, xrows, wide)
 
 
-def _make_fp4_dots(rows: int, xrows: int):
+def _fp4_values(builder, codes, wide):
+    """A chunk's 64 code bytes (<16 x i32> `codes`) as the 8 <16 x float> of their e2m1 values that meet x's
+    slots 16p .. 16p + 15 (fp4_order): on AVX-512 nibble p of every dword by one 16-entry lookup (vpermps)."""
+    from numba.core import cgutils
+
+    v16f, v16i = ir.VectorType(ir.FloatType(), 16), ir.VectorType(ir.IntType(32), 16)
+    if not wide:
+        return _fp4_values_avx2(builder, codes)
+    perm = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(v16f, [v16f, v16i]), "llvm.x86.avx512.permvar.sf.512"
+    )
+    lut = ir.Constant(v16f, list(FP4_VALUES))
+    return [
+        builder.call(perm, [lut, codes if p == 0 else builder.lshr(codes, ir.Constant(v16i, [4 * p] * 16))])
+        for p in range(8)
+    ]
+
+
+def _fp4_values_avx2(builder, codes):
+    """_fp4_values on AVX2, whose vpermps takes 8 entries: every e2m1 value is a bfloat16 whose two bytes are one
+    16-entry byte lookup each (vpshufb) of its code; the two bytes are interleaved into words (vpunpck*bw), and a
+    dword of two such words gives two float32s, its low word shifted up and its high word masked. Per 32 code
+    bytes (64 values): the nibbles apart (a shift, two masks), then four lookups, four interleaves, four shifts and
+    four masks."""
+    from numba.core import cgutils
+
+    i32, i8 = ir.IntType(32), ir.IntType(8)
+    v8f, v8i, v32b, v64b = (ir.VectorType(t, c) for t, c in ((ir.FloatType(), 8), (i32, 8), (i8, 32), (i8, 64)))
+
+    def lanes(values):
+        return ir.Constant(ir.VectorType(i32, len(values)), values)
+
+    shuffle = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(v32b, [v32b, v32b]), "llvm.x86.avx2.pshuf.b"
+    )
+    bits = [struct.unpack("<I", struct.pack("<f", v))[0] for v in FP4_VALUES]
+    tables = [ir.Constant(v32b, [(b >> shift) & 0xFF for b in bits] * 2) for shift in (16, 24)]  # (low, high byte)
+    nibbles = ir.Constant(v64b, [15] * 64)
+    b = builder.bitcast(codes, v64b)
+    out = {}
+    low_nibbles = builder.and_(b, nibbles)
+    high_nibbles = builder.and_(builder.lshr(b, ir.Constant(v64b, [4] * 64)), nibbles)
+    for s, nib in enumerate((low_nibbles, high_nibbles)):
+        halves = []
+        for h in (0, 32):
+            idx = builder.shuffle_vector(nib, nib, lanes(list(range(h, h + 32))))
+            low, high = (builder.call(shuffle, [t, idx]) for t in tables)
+            vectors = []
+            for first in (0, 8):  # (bytes first .. first + 7 of each 16-byte lane, as words)
+                pairs = [j for lane in (0, 16) for k in range(first + lane, first + lane + 8) for j in (k, 32 + k)]
+                words = builder.bitcast(builder.shuffle_vector(low, high, lanes(pairs)), v8i)
+                vectors.append(builder.shl(words, ir.Constant(v8i, [16] * 8)))
+                vectors.append(builder.and_(words, ir.Constant(v8i, [-(1 << 16)] * 8)))
+            halves.append([builder.bitcast(v, v8f) for v in vectors])
+        for q in range(4):
+            out[4 * s + q] = builder.shuffle_vector(halves[0][q], halves[1][q], lanes(list(range(16))))
+    return [out[p] for p in range(8)]
+
+
+def _make_fp4_dots(rows: int, xrows: int, wide: bool):
     @numba.extending.intrinsic
     def dots(typingctx, packed, s, row0, xp, out, j):
         from numba.core import cgutils
@@ -194,11 +278,6 @@ def _make_fp4_dots(rows: int, xrows: int):
             intp = context.get_value_type(numba.types.intp)
             fast = ("contract",)
             zeros = ir.Constant(v16f, [0.0] * 16)
-            lut = ir.Constant(v16f, list(FP4_VALUES))
-            fnty = ir.FunctionType
-            perm = cgutils.get_or_insert_function(
-                builder.module, fnty(v16f, [v16f, v16i]), "llvm.x86.avx512.permvar.sf.512"
-            )
             groups = builder.extract_value(sc.shape, 1)
             full = builder.udiv(groups, ir.Constant(intp, 4))
             left = builder.trunc(builder.sub(groups, builder.mul(full, ir.Constant(intp, 4))), i32)
@@ -240,9 +319,7 @@ def _make_fp4_dots(rows: int, xrows: int):
                         codes = builder.load(builder.bitcast(bp, v16i.as_pointer()), align=1)
                         sv = svs[r] if svs is not None else _group_scales(builder, scales(r, c, 4))
                     accs = {t: [None, None] for t in range(xrows)}
-                    for p in range(8):
-                        idx = codes if p == 0 else builder.lshr(codes, ir.Constant(v16i, [4 * p] * 16))
-                        vals = builder.call(perm, [lut, idx])
+                    for p, vals in enumerate(_fp4_values(builder, codes, wide)):
                         for t in range(xrows):
                             prod = builder.fmul(vals, xv[(t, p)], flags=fast)
                             a = accs[t][p % 2]
