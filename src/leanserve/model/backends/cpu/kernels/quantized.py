@@ -37,6 +37,7 @@ from leanserve.model.backends.cpu.kernels.rowdots import (
     _AVX512,
     _AVX512_BF16,
     _F16C,
+    _HOST_CPU,
     _SUBNORMALS_CHEAP,
     FP4_CHUNK,
     fp4_order,
@@ -240,20 +241,22 @@ def _fp8_walks(row_dots):
 if numba is not None:
     _fp8_scaled_x = _inlined(_fp8_scaled_x)
     # float32 x: the bytes decoded through float16 (fp8_row_dots' `half`; on Intel cores against the raw decode
-    # 0.81-0.97x at two to twelve rows of x) or, on Zen 4 cores, where subnormals cost nothing, straight into float32
-    # bits (in cache 0.76-0.93x the time of the float16 decode at one to sixteen rows of x), as on x86 cores
-    # without F16C (from before 2012); four weight rows at a time for two rows of x, three for three or four
+    # 0.81-0.97x at two to twelve rows of x) or, on Zen 3 and Zen 4 cores, where the few subnormals cost nothing,
+    # straight into float32 bits (on Zen 4 in cache 0.76-0.93x the time of the float16 decode at one to sixteen rows
+    # of x), as on x86 cores without F16C (from before 2012); four weight rows at a time for two rows of x, three
+    # for three or four
     # (against two: the published step 0.98x at batch 3 and 4), two for more, in passes of four (three: 1.05x at
     # batch 8)
     _HALF = _F16C and not _SUBNORMALS_CHEAP
     _REBASE = HALF_REBASE if _HALF else RAW_REBASE
-    # one row of x, a weight row at a time: through float16 where F16C is (_FP8_1), but on Zen 4 cores raw while x
-    # fits half of L1 (_FP8_1R, elsewhere _FP8_1 itself); where it does not (the [4096 x 8192] output projection)
-    # the raw decode read at 0.69-0.70x the float16 rate from memory there, four weight rows at a time 0.94x
-    _FP8_1 = _fp8_scaled_walk(
-        fp8_row_dots(1, 1, _F16C), 1, fp8_row_dots(1, 1, _F16C), 1, rebase=HALF_REBASE if _F16C else RAW_REBASE
-    )
-    _FP8_1R = _fp8_scaled_walk(fp8_row_dots(1, 1), 1, fp8_row_dots(1, 1), 1) if _F16C and not _HALF else _FP8_1
+    # one row of x, a weight row at a time: _FP8_1R while x fits half of L1, _FP8_1 where it does not (the [4096 x
+    # 8192] output projection). Through float16 where F16C is, but raw on Zen 3 and Zen 4 cores (_FP8_1R), and on
+    # Zen 3 where x does not fit either (_FP8_1): there, one thread from memory, 1.15x the float16 rate; on Zen 4
+    # 0.69-0.70x (four weight rows at a time 0.94x)
+    _FP8_1R = _fp8_scaled_walk(fp8_row_dots(1, 1, _HALF), 1, fp8_row_dots(1, 1, _HALF), 1, rebase=_REBASE)
+    _FP8_1 = _FP8_1R
+    if _F16C and not _HALF and _HOST_CPU == "znver4":
+        _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, True), 1, fp8_row_dots(1, 1, True), 1, rebase=HALF_REBASE)
     _FP8_2, _FP8_3, _FP8_4 = [
         _fp8_scaled_walk(
             fp8_row_dots(4 if t <= 2 else 3, t, _HALF),
@@ -369,7 +372,7 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
         if vector:  # (weight rows at a time, within one 128-row scale block, share the loads of x; rows of x
             # each decoded weight vector; short rows, and rows whose x fits L1, one at a time: SHORT_FP8_ROW)
             if n == 1:
-                if fits:  # (the same walk but on Zen 4 cores)
+                if fits:  # (_FP8_1 is the same walk but on Zen 4 cores)
                     _FP8_1R(q, s, r0, x, full, out, False, n)
                 else:
                     _FP8_1(q, s, r0, x, full, out, False, n)

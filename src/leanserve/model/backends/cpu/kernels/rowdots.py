@@ -147,9 +147,11 @@ def _make_fp8_dots(rows: int, xrows: int, half: bool):
 # with masked loads (missing codes read as 0, x padded with zeros). Without AVX2 the loop in _fp4_rows does the
 # same math in an order of its own.
 _AVX512 = _AVX512_BF16 = _AVX2 = _F16C = _SUBNORMALS_CHEAP = False
+_HOST_CPU = ""  # (LLVM's name for this host's CPU kind)
 if numba is not None:
     import llvmlite.binding as _llvm
 
+    _HOST_CPU = _llvm.get_host_cpu_name()
     _features = _llvm.get_host_cpu_features()
     _AVX512 = bool(_features.get("avx512f", False))
     _AVX2 = bool(_features.get("avx2", False))
@@ -158,7 +160,7 @@ if numba is not None:
     # AMD's Zen 3 and Zen 4 cores multiply the few float32 subnormals of FP8 weights without a measurable cost
     # (Intel's take a microcode assist for each) and widen float16 slowly: there the FP8 row dots decode straight
     # into float32 bits (docs/kernels.md; other Zen generations are not measured)
-    _SUBNORMALS_CHEAP = _llvm.get_host_cpu_name() in ("znver3", "znver4")
+    _SUBNORMALS_CHEAP = _HOST_CPU in ("znver3", "znver4")
 
 FP4_CHUNK = 128  # values per chunk of the FP4 row dots: 64 bytes, 4 groups
 
