@@ -265,10 +265,10 @@ def test_kernels_dequantize_as_quant_py():
 @pytest.mark.parametrize("in_features", [32, 96, 128, 224, 512, 736, 1024])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 def test_fp4_few_rows_match_the_dequantized_weight(rows, in_features, bf16):
-    # The few-row FP4 reader (decode, verification): whole 128-value chunks (four at a time and alone), a last
-    # chunk of 1-3 groups, every code, scales from 2^-127 (UE8M0 0) to 2^13: each output is x . W dequantized, up
-    # to float32 rounding of its sum; with bf16 (Fp4Weight.inputs bfloat16: vdpbf16ps on AVX512-BF16) x rounded to bfloat16 by torch.
-    # Five rows take the decoded blocks through the tiles.
+    # The few-row FP4 reader (decode, verification; this host's: AVX-512, AVX2 or neither): whole 128-value chunks
+    # (four at a time and alone), a last chunk of 1-3 groups, every code, scales from 2^-127 (UE8M0 0) to 2^13:
+    # each output is x . W dequantized, up to float32 rounding of its sum; with bf16 (Fp4Weight.inputs bfloat16:
+    # vdpbf16ps on AVX512-BF16) x rounded to bfloat16 by torch. Five rows take the decoded blocks through the tiles.
     from leanserve.model.backends.cpu.kernels.quantized import _fp4_rows_jit
     from leanserve.model.quant import Fp4Weight
 
