@@ -243,10 +243,12 @@ if numba is not None:
     # float32 x: the bytes decoded through float16 (fp8_row_dots' `half`; on Intel cores against the raw decode
     # 0.81-0.97x at two to twelve rows of x) or, on Zen 3 and Zen 4 cores, where the few subnormals cost nothing,
     # straight into float32 bits (on Zen 4 in cache 0.76-0.93x the time of the float16 decode at one to sixteen rows
-    # of x), as on x86 cores without F16C (from before 2012); four weight rows at a time for two rows of x, three
-    # for three or four
-    # (against two: the published step 0.98x at batch 3 and 4), two for more, in passes of four (three: 1.05x at
-    # batch 8)
+    # of x), as on x86 cores without F16C (from before 2012). With AVX-512's 32 vector registers, four weight rows
+    # at a time for two rows of x, three for three or four (against two: the published step 0.98x at batch 3 and 4),
+    # two for more, in passes of four (three: 1.05x at batch 8); with AVX2's 16 the several rows' sums spill, so
+    # there one weight row at a time (one core of a Zen 3 EPYC, [4096 x 4096] from memory, against the AVX-512
+    # widths: 1.03-1.15x as fast at two rows of x, 1.35x at four, 1.4-1.8x at eight)
+    _WIDE = [4, 3, 3, 2] if _AVX512 else [1, 1, 1, 1]  # (weight rows at a time at 2, 3, 4 and 5-16 rows of x)
     _HALF = _F16C and not _SUBNORMALS_CHEAP
     _REBASE = HALF_REBASE if _HALF else RAW_REBASE
     # one row of x, a weight row at a time: _FP8_1R while x fits half of L1, _FP8_1 where it does not (the [4096 x
@@ -258,17 +260,11 @@ if numba is not None:
     if _F16C and not _HALF and _HOST_CPU == "znver4":
         _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, True), 1, fp8_row_dots(1, 1, True), 1, rebase=HALF_REBASE)
     _FP8_2, _FP8_3, _FP8_4 = [
-        _fp8_scaled_walk(
-            fp8_row_dots(4 if t <= 2 else 3, t, _HALF),
-            4 if t <= 2 else 3,
-            fp8_row_dots(1, t, _HALF),
-            t,
-            rebase=_REBASE,
-        )
-        for t in (2, 3, 4)
+        _fp8_scaled_walk(fp8_row_dots(w, t, _HALF), w, fp8_row_dots(1, t, _HALF), t, rebase=_REBASE)
+        for t, w in zip((2, 3, 4), _WIDE[:3], strict=True)
     ]
     _FP8_MANY = _fp8_scaled_walk(  # (5 to FEW_FP8_ROWS rows)
-        fp8_row_dots(2, 4, _HALF), 2, fp8_row_dots(1, 4, _HALF), 4, many=True, rebase=_REBASE
+        fp8_row_dots(_WIDE[3], 4, _HALF), _WIDE[3], fp8_row_dots(1, 4, _HALF), 4, many=True, rebase=_REBASE
     )
 else:
     _FP8_1 = _FP8_1R = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_MANY = None
