@@ -284,8 +284,8 @@ def _make_fp4_dots(rows: int, xrows: int, wide: bool):
             left = builder.trunc(builder.sub(groups, builder.mul(full, ir.Constant(intp, 4))), i32)
             row = [builder.add(row0_, ir.Constant(intp, r)) for r in range(rows)]
             pairs = [(r, t) for r in range(rows) for t in range(xrows)]
-            # AVX2's registers hold 8 lanes: at three or four rows of x a chunk's vectors are taken by halves there,
-            # each half's products for every row of x before the other's: the same sums per lane, with fewer
+            # On AVX2, whose registers hold 8 lanes, a chunk's vectors are taken by halves at three or four rows of
+            # x, each half's products for every row of x before the other's: the same sums per lane, with fewer
             # registers live at once (one core, [4096 x 4096] from memory: 1.03-1.09x as fast at three rows,
             # 1.13-1.16x at four; 0.93x at one row, 0.98-1.03x at two, so those keep whole vectors)
             width = 8 if not wide and xrows >= 3 else 16
