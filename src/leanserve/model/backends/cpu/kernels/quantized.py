@@ -251,14 +251,13 @@ if numba is not None:
     _WIDE = [4, 3, 3, 2] if _AVX512 else [1, 1, 1, 1]  # (weight rows at a time at 2, 3, 4 and 5-16 rows of x)
     _HALF = _F16C and not _SUBNORMALS_CHEAP
     _REBASE = HALF_REBASE if _HALF else RAW_REBASE
-    # one row of x, a weight row at a time: _FP8_1R while x fits half of L1, _FP8_1 where it does not (the [4096 x
-    # 8192] output projection). Through float16 where F16C is, but raw on Zen 3 and Zen 4 cores (_FP8_1R), and on
-    # Zen 3 where x does not fit either (_FP8_1): there, one thread from memory, 1.15x the float16 rate; on Zen 4
-    # 0.69-0.70x (four weight rows at a time 0.94x)
-    _FP8_1R = _fp8_scaled_walk(fp8_row_dots(1, 1, _HALF), 1, fp8_row_dots(1, 1, _HALF), 1, rebase=_REBASE)
-    _FP8_1 = _FP8_1R
+    # one row of x, a weight row at a time (_FP8_1), decoded as at more rows; but on Zen 4 cores through float16
+    # where x does not fit half of L1 (_FP8_1_LONG_X: the [4096 x 8192] output projection), where the raw decode
+    # read at 0.69-0.70x the float16 rate from memory (four weight rows at a time 0.94x); on Zen 3 at 1.15x
+    _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, _HALF), 1, fp8_row_dots(1, 1, _HALF), 1, rebase=_REBASE)
+    _FP8_1_LONG_X = _FP8_1
     if _F16C and not _HALF and _HOST_CPU == "znver4":
-        _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, True), 1, fp8_row_dots(1, 1, True), 1, rebase=HALF_REBASE)
+        _FP8_1_LONG_X = _fp8_scaled_walk(fp8_row_dots(1, 1, True), 1, fp8_row_dots(1, 1, True), 1, rebase=HALF_REBASE)
     _FP8_2, _FP8_3, _FP8_4 = [
         _fp8_scaled_walk(fp8_row_dots(w, t, _HALF), w, fp8_row_dots(1, t, _HALF), t, rebase=_REBASE)
         for t, w in zip((2, 3, 4), _WIDE[:3], strict=True)
@@ -267,7 +266,7 @@ if numba is not None:
         fp8_row_dots(_WIDE[3], 4, _HALF), _WIDE[3], fp8_row_dots(1, 4, _HALF), 4, many=True, rebase=_REBASE
     )
 else:
-    _FP8_1 = _FP8_1R = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_MANY = None
+    _FP8_1 = _FP8_1_LONG_X = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_MANY = None
 _FP8B_1, _FP8B_2, _FP8B_3, _FP8B_4 = _fp8_walks(fp8_bf16_row_dots) if numba is not None else [None] * 4
 # and eight rows of x, a weight row at a time (five to seven come padded with rows of zeros: _fp8_inputs)
 _FP8B_8 = _fp8_walk(fp8_bf16_row_dots(1, 8), 1, fp8_bf16_row_dots(1, 8)) if numba is not None else None
@@ -368,10 +367,10 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
         if vector:  # (weight rows at a time, within one 128-row scale block, share the loads of x; rows of x
             # each decoded weight vector; short rows, and rows whose x fits L1, one at a time: SHORT_FP8_ROW)
             if n == 1:
-                if fits:  # (_FP8_1 is the same walk but on Zen 4 cores)
-                    _FP8_1R(q, s, r0, x, full, out, False, n)
-                else:
+                if fits:
                     _FP8_1(q, s, r0, x, full, out, False, n)
+                else:  # (the same walk but on Zen 4 cores)
+                    _FP8_1_LONG_X(q, s, r0, x, full, out, False, n)
             elif n == 2:
                 _FP8_2(q, s, r0, x, full, out, not one, n)
             elif n == 3:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import struct
 
+import numpy as np
+
 from leanserve.model.backends.cpu.kernels.base import numba
 from leanserve.model.backends.cpu.kernels.simd import _lanes_sum, _prefetch, _splat
 from leanserve.model.quant import FP4_VALUES, FP8_BLOCK
@@ -169,8 +171,6 @@ def fp4_order(wide: bool):
     """Which value of a 128-value chunk each slot of x's chunk holds for the FP4 row dots (fp4_permuted_x): slot
     16p + i meets lane i of the chunk's p-th decoded <16 x float> (_fp4_values); lane i holds values of group
     i // 4 only, either way."""
-    import numpy as np
-
     if wide:  # (nibble p of dword i: value 8i + p)
         return np.array([8 * i + p for p in range(8) for i in range(16)], dtype=np.int64)
     # (half h of the chunk; lo / hi nibbles s; q: which of the four vectors _fp4_values_avx2 makes of them)
@@ -247,10 +247,10 @@ def _fp4_values_avx2(builder, codes):
     tables = [ir.Constant(v32b, [(b >> shift) & 0xFF for b in bits] * 2) for shift in (16, 24)]  # (low, high byte)
     nibbles = ir.Constant(v64b, [15] * 64)
     b = builder.bitcast(codes, v64b)
-    out = {}
+    out = []  # (for the low nibbles, then the high: q = 0 .. 3 of fp4_order)
     low_nibbles = builder.and_(b, nibbles)
     high_nibbles = builder.and_(builder.lshr(b, ir.Constant(v64b, [4] * 64)), nibbles)
-    for s, nib in enumerate((low_nibbles, high_nibbles)):
+    for nib in (low_nibbles, high_nibbles):
         halves = []
         for h in (0, 32):
             idx = builder.shuffle_vector(nib, nib, lanes(list(range(h, h + 32))))
@@ -262,9 +262,8 @@ def _fp4_values_avx2(builder, codes):
                 vectors.append(builder.shl(words, ir.Constant(v8i, [16] * 8)))
                 vectors.append(builder.and_(words, ir.Constant(v8i, [-(1 << 16)] * 8)))
             halves.append([builder.bitcast(v, v8f) for v in vectors])
-        for q in range(4):
-            out[4 * s + q] = builder.shuffle_vector(halves[0][q], halves[1][q], lanes(list(range(16))))
-    return [out[p] for p in range(8)]
+        out += [builder.shuffle_vector(halves[0][q], halves[1][q], lanes(list(range(16)))) for q in range(4)]
+    return out
 
 
 def _make_fp4_dots(rows: int, xrows: int, wide: bool):
@@ -371,12 +370,13 @@ def _make_fp4_dots(rows: int, xrows: int, wide: bool):
                 chunk(c, False)
             with builder.if_then(builder.icmp_unsigned("!=", left, ir.Constant(i32, 0))):
                 chunk(full, True)
-            whole = {}  # (each pair's halves as one <16 x float> again)
-            for q in pairs:
-                v = builder.load(totals[(q, 0)])
-                if width < 16:
-                    v = builder.shuffle_vector(v, builder.load(totals[(q, 1)]), ir.Constant(v16i, list(range(16))))
-                whole[q] = cgutils.alloca_once_value(builder, v)
+            whole = {q: totals[(q, 0)] for q in pairs}
+            if width < 16:  # (each pair's halves as one <16 x float> again)
+                for q in pairs:
+                    both = [builder.load(totals[(q, h)]) for h in halves]
+                    whole[q] = cgutils.alloca_once_value(
+                        builder, builder.shuffle_vector(*both, ir.Constant(v16i, list(range(16))))
+                    )
             _store_sums(context, builder, o_t, oa, j_, whole)
             return context.get_dummy_value()
 
