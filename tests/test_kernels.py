@@ -289,6 +289,25 @@ def test_fp4_few_rows_match_the_dequantized_weight(rows, in_features, bf16):
     assert (torch.from_numpy(out[:, 0]) != 0).all()  # (row 0's values are 2^-127 times the codes)
 
 
+@pytest.mark.parametrize("in_features", [224, 1024])
+def test_fp4_few_rows_give_each_row_its_bits_alone(in_features):
+    # Batch invariance of the few-row FP4 reader: a row of x among two to four (verification, batch 2-4; on AVX2
+    # three and four rows take a chunk by halves) gets the same bits as alone (decode at batch 1).
+    from leanserve.model.backends.cpu.kernels.quantized import _fp4_rows_jit
+
+    gen = torch.Generator().manual_seed(in_features)
+    packed = torch.randint(0, 256, (37, in_features // 2), dtype=torch.uint8, generator=gen).numpy()
+    scale = torch.randint(110, 135, (37, in_features // 32), dtype=torch.uint8, generator=gen).numpy()
+    x = torch.randn(4, in_features, generator=gen).numpy()
+    alone = np.empty((4, 37), dtype=np.float32)
+    for t in range(4):
+        _fp4_rows_jit(x[t : t + 1], packed, scale, alone[t : t + 1], 1, False)
+    for rows in (2, 3, 4):
+        out = np.empty((rows, 37), dtype=np.float32)
+        _fp4_rows_jit(x[:rows], packed, scale, out, rows, False)
+        assert np.array_equal(out, alone[:rows]), rows
+
+
 _WITHOUT = """
 import sys
 import llvmlite.binding as llb
