@@ -993,3 +993,41 @@ def test_weighted_rows_sum_each_entry_in_key_order():
         one = np.empty((1, 72), dtype=np.float32)
         _weighted_rows_jit(p[i : i + 1], v, one, 1)
         assert np.array_equal(one[0], out[i])
+
+
+@pytest.mark.parametrize("choose", [False, True])
+def test_attention_of_one_block_split_by_heads_gives_each_head_its_bits(choose):
+    # A decode step has one query block: the attention kernel then splits its heads in ranges, one a core. Each head
+    # must get the same output bits as when the block's heads run together on one thread (window keys, compressed
+    # rows, or the indexer's choice of them; sinks and RoPE per head).
+    from leanserve.model.backends.cpu.arrays import NO_CHOICE, NO_NEW_KV
+
+    g = np.random.default_rng(0)
+    heads, dim, rope, width, per_block, n_rows = 7, 64, 16, 12, 4, 10
+    q = g.standard_normal((1, heads, dim)).astype(np.float32)
+    ring = g.standard_normal((16, dim)).astype(np.float32)
+    key_index = g.permutation(16)[:width][None, :].astype(np.int64)
+    key_mask = np.ones((1, 1, width), dtype=bool)
+    key_mask[0, 0, :3] = False  # (the first keys not seen: before the window)
+    rows = g.standard_normal((4, per_block, dim)).astype(np.float32)
+    table = np.array([[2, 0, 3]], dtype=np.int64)
+    chosen = np.array([[[0, 3, 4, 9, -1]]], dtype=np.int64) if choose else NO_CHOICE
+    sink = g.standard_normal(heads).astype(np.float32)
+    freqs = g.standard_normal((1, rope // 2, 2)).astype(np.float32)
+    args = (q, ring, NO_NEW_KV, np.zeros((1, 1), np.int64), np.ones((1, 1), bool), key_index, key_mask,
+            np.zeros(1, np.int64), table, rows.reshape(-1, per_block, dim), np.full((1, 1), n_rows, np.int64), chosen,
+            sink, np.float32(dim**-0.5), freqs)  # fmt: skip
+    outs = {}
+    for splits, work in ((1, 0), (3, 0), (3, 1 << 30), (7, 1 << 30)):
+        out = np.full((1, heads, dim), np.nan, dtype=np.float32)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            cpu_kernels.attend(work, *args, splits, out)
+        finally:
+            torch.set_num_threads(threads)
+        outs[splits, work] = out
+    whole = outs[1, 0]
+    assert np.isfinite(whole).all()
+    for key, out in outs.items():
+        assert np.array_equal(out, whole), key

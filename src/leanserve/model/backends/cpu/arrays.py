@@ -137,10 +137,12 @@ def attend_arrays(w: AttentionWeights, q, ring, new_kv, group, table, most: int,
             parts,
             chosen,
         )
-    work = spread(q_rows.shape[0], q_rows.size * q.shape[1] * q.shape[2] * (key_index.shape[1] + most))  # (likewise)
+    work = q_rows.size * q.shape[1] * q.shape[2] * (key_index.shape[1] + most)  # (likewise)
+    # (fewer blocks than cores, as in decode: each block's heads split in ranges attended in parallel)
+    splits = min(-(-ck.threads() // q_rows.shape[0]), q.shape[1]) if ck.attend.parts(work) > 1 else 1
     ck.attend(
-        work, q, ring, new_kv, q_rows, q_valid, key_index, key_mask, block_slot, table, rows, visible, chosen, w.sink,
-        w.head_dim**-0.5, angles, out,
+        spread(q_rows.shape[0] * splits, work), q, ring, new_kv, q_rows, q_valid, key_index, key_mask, block_slot, table, rows, visible, chosen, w.sink,
+        w.head_dim**-0.5, angles, splits, out,
     )  # fmt: skip
 
 

@@ -166,7 +166,7 @@ _rotate_out_jit = _jit(_rotate_out)
 
 
 def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, rows, visible, chosen, sink, scale,
-            freqs, out, part, parts):  # fmt: skip
+            freqs, splits, out, part, parts):  # fmt: skip
     # (compiled) Shared-KV attention (keys = values) for one group of query blocks, see model/batch.py:
     #   q [T, H, D] RoPE'd queries; window keys are store rows key_index[b, :] masked by key_mask[b, i, :],
     #   where the store is ring [Rr, D] followed by new_kv [T, D]; then the compressed rows 0..n-1 of slot[b]'s
@@ -182,14 +182,18 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
     # chain of multiply-adds per entry in key order (_weighted_rows; keys it does not see weigh an exact 0): a
     # query's output is the same whichever other queries share its block, so a token gets the same output in any
     # step (batch invariance), and its working memory is its keys, not the block's queries times them.
+    # A task is a block's heads or `splits` equal ranges of them (fewer blocks than cores, as in decode: each range
+    # gathers the block's keys itself); every head's arithmetic is its own, so the split changes no output.
     num_blocks, block = q_rows.shape
     heads, dim = q.shape[1], q.shape[2]
     ring_rows = ring.shape[0]
     width = key_index.shape[1]
     picked = chosen.shape[0] > 0
     per_block = rows.shape[1]
-    lo_b, hi_b = _share_jit(num_blocks, part, parts)
-    for b in range(lo_b, hi_b):
+    lo_task, hi_task = _share_jit(num_blocks * splits, part, parts)
+    for task in range(lo_task, hi_task):
+        b, split = task // splits, task % splits
+        h0, h1 = heads * split // splits, heads * (split + 1) // splits
         most = 0
         for i in range(block):
             if q_valid[b, i]:
@@ -219,12 +223,12 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
                 _copy_row_jit(kv[span + c], rows[table[slot[b], c // per_block], c % per_block])
         own = np.empty((keys, dim), dtype=np.float32) if picked else kv  # (the choice: a query's window, its rows)
         seen = np.empty(keys, dtype=np.int64)  # a query's keys (their places among the keys it is scored on)
-        scores = np.empty((heads, keys), dtype=np.float32)
-        kept = np.empty((heads, keys), dtype=np.float32)
+        scores = np.empty((h1 - h0, keys), dtype=np.float32)
+        kept = np.empty((h1 - h0, keys), dtype=np.float32)
         ones = np.ones((1, keys), dtype=np.float32)
-        total = np.empty((heads, 1), dtype=np.float32)
-        tops = np.empty(heads, dtype=np.float32)
-        values = np.empty((heads, dim), dtype=np.float32)
+        total = np.empty((h1 - h0, 1), dtype=np.float32)
+        tops = np.empty(h1 - h0, dtype=np.float32)
+        values = np.empty((h1 - h0, dim), dtype=np.float32)
         for i in range(block):
             if not q_valid[b, i]:
                 continue
@@ -251,10 +255,10 @@ def _attend(q, ring, new_kv, q_rows, q_valid, key_index, key_mask, slot, table, 
                         count += 1
                 scored = keys
             t = q_rows[b, i]
-            _scores_of_jit(q[t], own, scored, scores)
-            _probabilities_jit(scores[:, :scored], seen, count, sink, scale, kept, ones, total, tops)
-            _weighted_rows_jit(scores[:, :scored], own[:scored], values, heads)
-            _rotate_out_jit(values, freqs, t, out)
+            _scores_of_jit(q[t, h0:h1], own, scored, scores)
+            _probabilities_jit(scores[:, :scored], seen, count, sink[h0:h1], scale, kept, ones, total, tops)
+            _weighted_rows_jit(scores[:, :scored], own[:scored], values, h1 - h0)
+            _rotate_out_jit(values, freqs, t, out[:, h0:h1])
 
 
 # work = query-key dot products times the keys' width, over the window's keys and the compressed rows (see
