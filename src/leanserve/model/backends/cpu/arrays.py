@@ -138,11 +138,10 @@ def attend_arrays(w: AttentionWeights, q, ring, new_kv, group, table, most: int,
             chosen,
         )
     work = q_rows.size * q.shape[1] * q.shape[2] * (key_index.shape[1] + most)  # (likewise)
-    # (fewer blocks than cores, as in decode: each block's heads split in ranges attended in parallel)
-    splits = min(-(-ck.threads() // q_rows.shape[0]), q.shape[1]) if ck.attend.parts(work) > 1 else 1
+    splits = ck.attend_splits(q_rows.shape[0], q.shape[1], work)  # (fewer blocks than cores: heads in ranges)
     ck.attend(
-        spread(q_rows.shape[0] * splits, work), q, ring, new_kv, q_rows, q_valid, key_index, key_mask, block_slot, table, rows, visible, chosen, w.sink,
-        w.head_dim**-0.5, angles, splits, out,
+        spread(q_rows.shape[0] * splits, work), q, ring, new_kv, q_rows, q_valid, key_index, key_mask, block_slot,
+        table, rows, visible, chosen, w.sink, w.head_dim**-0.5, angles, splits, out,
     )  # fmt: skip
 
 

@@ -11,7 +11,7 @@ bfloat16 inputs), `quantized` (FP8 / FP4 weights as stored), `moe`, `attention` 
 """
 
 from leanserve.model.backends.cpu.kernels import attention, base, bf16dots, linear, mix, moe, quantized, rowdots, simd
-from leanserve.model.backends.cpu.kernels.attention import attend, compress, index_select
+from leanserve.model.backends.cpu.kernels.attention import attend, attend_splits, compress, index_select
 from leanserve.model.backends.cpu.kernels.base import (
     EMPTY,
     Threaded,
@@ -47,8 +47,8 @@ def compiled_before() -> bool:
 
 
 __all__ = [
-    "EMPTY", "MODULES", "Matmuls", "Threaded", "_exp_jit", "_jit", "attend", "available", "compiled_before", "compress",
-    "dequantized",
+    "EMPTY", "MODULES", "Matmuls", "Threaded", "_exp_jit", "_jit", "attend", "attend_splits", "available",
+    "compiled_before", "compress", "dequantized",
     "disabled", "grouped_linear", "grouped_linear_fp8", "hc_post", "hc_post_pre", "hc_pre", "index_select",
     "limit_threads", "matmuls", "moe_tokens", "moe_work", "norm_rope", "np_", "numba", "one_thread", "rms_norm",
     "stored", "threads", "weight_np",
