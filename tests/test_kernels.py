@@ -1018,15 +1018,14 @@ def test_attention_of_one_block_split_by_heads_gives_each_head_its_bits(choose):
             np.zeros(1, np.int64), table, rows.reshape(-1, per_block, dim), np.full((1, 1), n_rows, np.int64), chosen,
             sink, np.float32(dim**-0.5), freqs)  # fmt: skip
     outs = {}
-    for splits, work in ((1, 0), (3, 0), (3, 1 << 30), (7, 1 << 30)):
-        out = np.full((1, heads, dim), np.nan, dtype=np.float32)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2)
-        try:
-            cpu_kernels.attend(work, *args, splits, out)
-        finally:
-            torch.set_num_threads(threads)
-        outs[splits, work] = out
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (work 0: whole on this thread; 1 << 30: in threaded parts)
+    try:
+        for splits, work in ((1, 0), (3, 0), (3, 1 << 30), (7, 1 << 30)):
+            outs[splits, work] = np.full((1, heads, dim), np.nan, dtype=np.float32)
+            cpu_kernels.attend(work, *args, splits, outs[splits, work])
+    finally:
+        torch.set_num_threads(threads)
     whole = outs[1, 0]
     assert np.isfinite(whole).all()
     for key, out in outs.items():

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from leanserve.model.backends.cpu.kernels.base import Threaded, _copy_row_jit, _exp_jit, _jit, _share_jit, threads
+from leanserve.model.backends.cpu.kernels.base import Threaded, _copy_row_jit, _exp_jit, _jit, _share_jit
 from leanserve.model.backends.cpu.kernels.linear import _linear_tiles_jit, _weighted_rows_jit
 
 
@@ -268,9 +268,9 @@ attend = Threaded(_attend, min_work=1 << 17)
 
 def attend_splits(blocks: int, heads: int, work: int) -> int:
     """Into how many ranges `attend` splits each query block's heads for a call of `blocks` blocks and `work`: as
-    many as leave no core idle where the call runs in threaded parts and there are fewer blocks than cores (decode),
-    else 1 (a split's ranges each gather the block's keys)."""
-    return min(-(-threads() // blocks), heads) if attend.parts(work) > 1 else 1
+    many as leave none of the call's parts idle where there are fewer blocks than parts (decode), else 1 (each
+    range gathers the block's keys again)."""
+    return min(-(-attend.parts(work) // blocks), heads)
 
 
 # --- the Lightning Indexer's top-k ------------------------------------------------------------------------

@@ -369,7 +369,7 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
             if n == 1:
                 if fits:
                     _FP8_1(q, s, r0, x, full, out, False, n)
-                else:  # (the same walk but on Zen 4 cores)
+                else:  # (_FP8_1 itself but on Zen 4 cores)
                     _FP8_1_LONG_X(q, s, r0, x, full, out, False, n)
             elif n == 2:
                 _FP8_2(q, s, r0, x, full, out, not one, n)
