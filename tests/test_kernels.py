@@ -818,6 +818,86 @@ def test_quantized_kernels_threaded_match_one_thread():
         assert torch.equal(a, b)
 
 
+def _claims_tasks(done, claimed, part, parts):  # pragma: no cover - compiled (test_claimed_tasks_run_once)
+    job = cpu_kernels.base._claim(claimed)
+    while job < done.shape[0]:
+        done[job] += 1
+        job = cpu_kernels.base._claim(claimed)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 8])
+def test_claimed_tasks_run_once_each_whatever_the_parts(parts):
+    # Parts that take their tasks from a shared counter (base._claim, the MoE's experts) run every task exactly
+    # once, with more parts than threads too (the later parts then find fewer tasks, or none).
+    from leanserve.model.backends.cpu.kernels.base import Threaded
+
+    kernel = Threaded(_claims_tasks, min_work=1)
+    done = np.zeros(10_000, dtype=np.int64)
+    claimed = np.zeros(1, dtype=np.int64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        kernel._parallel((done, claimed), parts)
+    finally:
+        torch.set_num_threads(threads)
+    assert (done == 1).all() and claimed[0] >= done.shape[0]
+
+
+def test_moe_tasks_come_most_tokens_first():
+    # The MoE's tasks, which the cores take in turn, come in order of their tokens, most first (the shared
+    # expert's parts, which take every token, after the experts of as many), each active expert once: the last
+    # tasks taken are the shortest, so the cores end together. Routing by a hash table (tid2eid): token t takes
+    # experts tid2eid[t].
+    from leanserve.model.backends.cpu.kernels.moe import moe_route
+
+    experts, hidden, top_k, chunks = 6, 8, 2, 2
+    ids = np.array([0, 1, 2], dtype=np.int64)
+    tid2eid = np.array([[4, 1], [4, 2], [4, 5]], dtype=np.int64)  # expert 4: three tokens; 1, 2, 5: one each
+    x = np.ones((3, hidden), dtype=np.float32)
+    gate = np.ones((experts, hidden), dtype=np.float32)
+    token_of, weight_of = np.empty(6, dtype=np.int64), np.empty(6, dtype=np.float32)
+    counts, tasks = np.zeros(experts + 1, dtype=np.int64), np.empty(experts + 2, dtype=np.int64)
+    num = moe_route(x, ids, gate, cpu_kernels.EMPTY, tid2eid, top_k, 1, 1.0, chunks, token_of, weight_of, counts,
+                    tasks)  # fmt: skip
+    assert tasks[:num].tolist() == [4, experts, experts + 1, 1, 2, 5]
+    assert token_of[counts[4] : counts[5]].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("experts", ["fp4", "fp8"])
+def test_moe_on_several_cores_gives_one_cores_bits(experts, monkeypatch):
+    # Tokens routed unevenly make experts of one to several tokens; whichever core takes which, each task writes
+    # only its own rows and the sum runs in a fixed order: the same bits as on one thread.
+    from dataclasses import replace
+
+    from leanserve.model.backends.cpu.kernels import moe as moe_kernels
+    from leanserve.model.config import ModelConfig, Quantization
+    from leanserve.model.moe import MoE
+
+    cfg = ModelConfig.from_hf("models/dsv4-stdlib-8m")
+    gen = torch.Generator().manual_seed(5)
+    plain = MoE(cfg, "moe").requires_grad_(False)
+    for p in plain.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    moe = MoE(replace(cfg, quantization=Quantization(experts)), "moe").requires_grad_(False)
+    _fill_quantized(moe, plain)
+    set_backend(moe, _cpu())
+    x = torch.randn(24, cfg.hidden_size, generator=gen)
+    ids = torch.randint(0, cfg.vocab_size, (24,), generator=gen)
+    parts = []
+    run = moe_kernels.moe_experts._parallel
+    monkeypatch.setattr(moe_kernels.moe_experts, "_parallel", lambda args, n: (parts.append(n), run(args, n))[1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        several = moe(x, ids)
+    finally:
+        torch.set_num_threads(threads)
+    assert parts == [2]
+    with cpu_kernels.one_thread():
+        one = moe(x, ids)
+    assert torch.equal(several, one)
+
+
 @pytest.mark.parametrize("parts", [1, 2, 3])
 def test_index_select_streams_the_topk_a_full_sort_keeps(parts):
     # The kernel streams the rows past (INDEX_ROWS at a time, in `parts` ranges) and keeps a query's topk best

@@ -142,6 +142,23 @@ def _share(n, part, parts):  # pragma: no cover - compiled: tasks [lo, hi) of `p
 _share_jit = _inlined(_share) if numba is not None else None
 
 
+# A kernel whose tasks differ in cost (the MoE's experts, by their tokens) takes them one at a time from a counter
+# all its parts share, whichever part is free first, instead of in equal shares of the tasks: no part waits
+# idle while another still holds several. Each task's arithmetic and outputs stay its own, whichever part runs it.
+if numba is not None:
+
+    @numba.extending.intrinsic
+    def _claim(typingctx, counter):  # counter[0] (int64) before one is added to it, atomically: the next task
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+        return numba.types.int64(counter), codegen
+
+else:
+    _claim = None
+
+
 class Threaded:
     """A kernel compiled once, `fn(*args, part, parts)`, that does share `part` of `parts` equal shares of its tasks
     (each task writes only its own outputs: no races, no sums shared between threads). A call `kernel(work, *args)`

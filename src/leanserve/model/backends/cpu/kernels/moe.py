@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from leanserve.model.backends.cpu.kernels.base import Threaded, _empty64_f32, _exp_jit, _inlined, _jit, _share_jit
+from leanserve.model.backends.cpu.kernels.base import Threaded, _claim, _empty64_f32, _exp_jit, _inlined, _jit
 from leanserve.model.backends.cpu.kernels.linear import _linear_rows_jit
 from leanserve.model.backends.cpu.kernels.quantized import _expert_rows, _matrix_rows
 from leanserve.model.quant import FP8_BLOCK
@@ -45,8 +45,9 @@ def moe_tokens(work, x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale,
     )
     ys = np.empty((pairs, hidden), dtype=np.float32)
     shared = np.empty((chunks, n, hidden), dtype=np.float32)
-    moe_experts(work, x, counts, tasks[:num_tasks], token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s,
-                sw2, sw2_s, limit, bf16, shared_bf16, ys, shared)  # fmt: skip
+    claimed = np.zeros(1, dtype=np.int64)  # (the tasks taken so far: base._claim)
+    moe_experts(work, x, counts, tasks[:num_tasks], claimed, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s,
+                sw3, sw3_s, sw2, sw2_s, limit, bf16, shared_bf16, ys, shared)  # fmt: skip
     moe_combine(token_of, ys, shared, out)
 
 
@@ -66,9 +67,9 @@ def _moe_route(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, chunk
                tasks):  # fmt: skip
     # (compiled) moe_tokens' routing: the (token, k) pairs bucketed by expert (expert e's are [counts[e],
     # counts[e + 1]) of token_of and their weights weight_of); returns the number of tasks written to `tasks`:
-    # each expert that has tokens (e), and the shared expert's `chunks` parts (num_experts + c), each part ahead
-    # of half the experts, so that equal shares of the tasks are equal work when the experts' loads are even (at
-    # batch 1 on two cores: a part and three of the six experts each).
+    # each expert that has tokens (e), and the shared expert's `chunks` parts (num_experts + c), which take every
+    # token. Most tokens first (the shared parts after the experts of as many), so that the cores, each taking the
+    # next task when free (moe_experts), end together: the last tasks taken are the shortest.
     n = x.shape[0]
     num_experts = gate_w.shape[0]
     chosen = np.empty((n, top_k), dtype=np.int64)
@@ -122,64 +123,69 @@ def _moe_route(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, chunk
             token_of[fill[e]] = t
             weight_of[fill[e]] = weight[t, j]
             fill[e] += 1
-    active = 0
-    for e in range(num_experts):
-        active += counts[e + 1] > counts[e]
-    num_tasks, seen, half = 0, 0, 0
-    for e in range(num_experts):
-        if counts[e + 1] > counts[e]:
-            if half < chunks and seen >= half * active // chunks:
-                tasks[num_tasks] = num_experts + half
+    num_tasks = 0
+    for c in range(n, 0, -1):  # (an expert has at most n tokens: each token chooses it once at most)
+        for e in range(num_experts):
+            if counts[e + 1] - counts[e] == c:
+                tasks[num_tasks] = e
                 num_tasks += 1
-                half += 1
-            tasks[num_tasks] = e
-            num_tasks += 1
-            seen += 1
-    for c in range(half, chunks):
-        tasks[num_tasks] = num_experts + c
-        num_tasks += 1
+        if c == n:
+            for p in range(chunks):
+                tasks[num_tasks] = num_experts + p
+                num_tasks += 1
     return num_tasks
 
 
 moe_route = _jit(_moe_route)
 
 
-def _moe_experts(x, counts, tasks, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s, sw2, sw2_s, limit,
-                 bf16, shared_bf16, ys, shared_out, part, parts):  # fmt: skip
-    # (compiled) moe_tokens' tasks (this part's share of them): each writes only its own rows, the routed experts'
-    # outputs to ys (one row per (token, k) pair), the shared expert's parts to shared_out[c]
+def _moe_task(e, x, counts, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s, sw2, sw2_s, limit,
+              bf16, shared_bf16, ys, shared_out, rows, both, act):  # fmt: skip
+    # (compiled) one of moe_tokens' tasks, writing only its own rows: expert e's tokens (the routed experts'
+    # outputs to ys, one row per (token, k) pair), or for e >= the number of experts a part of the shared expert's
+    # intermediate rows for every token (to shared_out[part]); rows, both, act: the part's scratch
     n, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    cut, chunks = _shared_parts_jit(sw1, sw2_s)
-    shared = sw1.shape[0]
-    pairs = token_of.shape[0]
+    if e >= num_experts:
+        cut, chunks = _shared_parts_jit(sw1, sw2_s)
+        c = e - num_experts
+        i0 = 0 if c == 0 else cut
+        i1 = sw1.shape[0] if c == chunks - 1 else cut
+        gates, ups = np.empty((n, i1 - i0), dtype=np.float32), np.empty((n, i1 - i0), dtype=np.float32)
+        _matrix_rows(x, sw1, sw1_s, gates, n, i0, 0, shared_bf16)
+        _matrix_rows(x, sw3, sw3_s, ups, n, i0, 0, shared_bf16)
+        for t in range(n):
+            for i in range(i1 - i0):
+                gates[t, i] = _silu_glu_jit(gates[t, i], ups[t, i], limit)
+        _matrix_rows(gates, sw2, sw2_s, shared_out[c], n, 0, i0, shared_bf16)
+        return
+    first, last = counts[e], counts[e + 1]
+    for r in range(first, last):
+        for k in range(hidden):
+            rows[r, k] = x[token_of[r], k]
+    _expert_rows(rows[first:last], w13, w13_s, e, both[first:last], last - first, bf16)
+    for r in range(first, last):
+        for i in range(inter):
+            act[r, i] = _silu_glu_jit(both[r, i], both[r, inter + i], limit) * weight_of[r]
+    _expert_rows(act[first:last], w2, w2_s, e, ys[first:last], last - first, bf16)
+
+
+_moe_task_jit = _inlined(_moe_task)
+
+
+def _moe_experts(x, counts, tasks, claimed, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s, sw2,
+                 sw2_s, limit, bf16, shared_bf16, ys, shared_out, part, parts):  # fmt: skip
+    # (compiled) moe_tokens' tasks (_moe_task), in `tasks`' order: on one thread all of them; in parts, each part
+    # takes the next task not yet taken (base._claim on `claimed`, zero before the call) until none is left
+    pairs, hidden, inter = token_of.shape[0], x.shape[1], w13.shape[1] // 2
     rows = _empty64_f32(pairs, hidden)  # (the experts' inputs, on 64 bytes: base._empty64_f32)
     both = np.empty((pairs, 2 * inter), dtype=np.float32)
     act = _empty64_f32(pairs, inter)
-    lo, hi = _share_jit(tasks.shape[0], part, parts)
-    for job in range(lo, hi):
-        e = tasks[job]
-        if e >= num_experts:  # a part of the shared expert's intermediate rows, for every token
-            c = e - num_experts
-            i0 = 0 if c == 0 else cut
-            i1 = shared if c == chunks - 1 else cut
-            gates, ups = np.empty((n, i1 - i0), dtype=np.float32), np.empty((n, i1 - i0), dtype=np.float32)
-            _matrix_rows(x, sw1, sw1_s, gates, n, i0, 0, shared_bf16)
-            _matrix_rows(x, sw3, sw3_s, ups, n, i0, 0, shared_bf16)
-            for t in range(n):
-                for i in range(i1 - i0):
-                    gates[t, i] = _silu_glu_jit(gates[t, i], ups[t, i], limit)
-            _matrix_rows(gates, sw2, sw2_s, shared_out[c], n, 0, i0, shared_bf16)
-            continue
-        first, last = counts[e], counts[e + 1]
-        for r in range(first, last):
-            for k in range(hidden):
-                rows[r, k] = x[token_of[r], k]
-        _expert_rows(rows[first:last], w13, w13_s, e, both[first:last], last - first, bf16)
-        for r in range(first, last):
-            for i in range(inter):
-                act[r, i] = _silu_glu_jit(both[r, i], both[r, inter + i], limit) * weight_of[r]
-        _expert_rows(act[first:last], w2, w2_s, e, ys[first:last], last - first, bf16)
+    job = 0 if parts == 1 else _claim(claimed)
+    while job < tasks.shape[0]:
+        _moe_task_jit(tasks[job], x, counts, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s, sw2,
+                      sw2_s, limit, bf16, shared_bf16, ys, shared_out, rows, both, act)  # fmt: skip
+        job = job + 1 if parts == 1 else _claim(claimed)
 
 
 # work = multiply-adds (moe_work): on 2 cores the shipped model's experts pay for threads from about 16 tokens, and
