@@ -843,30 +843,35 @@ def test_claimed_tasks_run_once_each_whatever_the_parts(parts):
     assert (done == 1).all() and claimed[0] >= done.shape[0]
 
 
-def test_moe_tasks_come_most_tokens_first():
-    # The MoE's tasks, which the cores take in turn, come in order of their tokens, most first (the shared
-    # expert's parts, which take every token, after the experts of as many), each active expert once: the last
-    # tasks taken are the shortest, so the cores end together. Routing by a hash table (tid2eid): token t takes
-    # experts tid2eid[t].
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_moe_tasks_come_in_the_order_the_cores_share_them(tokens):
+    # The MoE's tasks, each active expert once and the shared expert's two parts (S0, S1). For one token, in the
+    # order the cores share out equally: each part ahead of half the experts. For more, which the cores take in
+    # turn, in order of their tokens, most first (the parts, which take every token, after the experts of as
+    # many): the last tasks taken are the shortest, so the cores end together. Routing by a hash table (tid2eid):
+    # token t takes experts tid2eid[t]; here expert 4 takes every token, and 1, 2 and 5 one each.
     from leanserve.model.backends.cpu.kernels.moe import moe_route
 
     experts, hidden, top_k, chunks = 6, 8, 2, 2
-    ids = np.array([0, 1, 2], dtype=np.int64)
-    tid2eid = np.array([[4, 1], [4, 2], [4, 5]], dtype=np.int64)  # expert 4: three tokens; 1, 2, 5: one each
-    x = np.ones((3, hidden), dtype=np.float32)
+    ids = np.arange(tokens, dtype=np.int64)
+    tid2eid = np.array([[4, 1], [4, 2], [4, 5]], dtype=np.int64)
+    x = np.ones((tokens, hidden), dtype=np.float32)
     gate = np.ones((experts, hidden), dtype=np.float32)
-    token_of, weight_of = np.empty(6, dtype=np.int64), np.empty(6, dtype=np.float32)
+    token_of, weight_of = np.empty(tokens * top_k, dtype=np.int64), np.empty(tokens * top_k, dtype=np.float32)
     counts, tasks = np.zeros(experts + 1, dtype=np.int64), np.empty(experts + 2, dtype=np.int64)
     num = moe_route(x, ids, gate, cpu_kernels.EMPTY, tid2eid, top_k, 1, 1.0, chunks, token_of, weight_of, counts,
                     tasks)  # fmt: skip
-    assert tasks[:num].tolist() == [4, experts, experts + 1, 1, 2, 5]
-    assert token_of[counts[4] : counts[5]].tolist() == [0, 1, 2]
+    s0, s1 = experts, experts + 1
+    assert tasks[:num].tolist() == ([s0, 1, s1, 4] if tokens == 1 else [4, s0, s1, 1, 2, 5])
+    assert token_of[counts[4] : counts[5]].tolist() == list(range(tokens))
 
 
+@pytest.mark.parametrize("tokens", [1, 24])
 @pytest.mark.parametrize("experts", ["fp4", "fp8"])
-def test_moe_on_several_cores_gives_one_cores_bits(experts, monkeypatch):
-    # Tokens routed unevenly make experts of one to several tokens; whichever core takes which, each task writes
-    # only its own rows and the sum runs in a fixed order: the same bits as on one thread.
+def test_moe_on_several_cores_gives_one_cores_bits(experts, tokens, monkeypatch):
+    # One token's tasks shared out equally; many tokens' (experts of one to several tokens) taken in turn:
+    # whichever core takes which, each task writes only its own rows and the sum runs in a fixed order, so the
+    # same bits as on one thread.
     from dataclasses import replace
 
     from leanserve.model.backends.cpu.kernels import moe as moe_kernels
@@ -881,11 +886,12 @@ def test_moe_on_several_cores_gives_one_cores_bits(experts, monkeypatch):
     moe = MoE(replace(cfg, quantization=Quantization(experts)), "moe").requires_grad_(False)
     _fill_quantized(moe, plain)
     set_backend(moe, _cpu())
-    x = torch.randn(24, cfg.hidden_size, generator=gen)
-    ids = torch.randint(0, cfg.vocab_size, (24,), generator=gen)
+    x = torch.randn(tokens, cfg.hidden_size, generator=gen)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen)
     parts = []
     run = moe_kernels.moe_experts._parallel
     monkeypatch.setattr(moe_kernels.moe_experts, "_parallel", lambda args, n: (parts.append(n), run(args, n))[1])
+    monkeypatch.setattr(moe_kernels.moe_experts, "min_work", 1)  # (the tiny model's one token too)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -7,7 +7,15 @@ import math
 
 import numpy as np
 
-from leanserve.model.backends.cpu.kernels.base import Threaded, _claim, _empty64_f32, _exp_jit, _inlined, _jit
+from leanserve.model.backends.cpu.kernels.base import (
+    Threaded,
+    _claim,
+    _empty64_f32,
+    _exp_jit,
+    _inlined,
+    _jit,
+    _share_jit,
+)
 from leanserve.model.backends.cpu.kernels.linear import _linear_rows_jit
 from leanserve.model.backends.cpu.kernels.quantized import _expert_rows, _matrix_rows
 from leanserve.model.quant import FP8_BLOCK
@@ -68,8 +76,10 @@ def _moe_route(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, chunk
     # (compiled) moe_tokens' routing: the (token, k) pairs bucketed by expert (expert e's are [counts[e],
     # counts[e + 1]) of token_of and their weights weight_of); returns the number of tasks written to `tasks`:
     # each expert that has tokens (e), and the shared expert's `chunks` parts (num_experts + c), which take every
-    # token. Most tokens first (the shared parts after the experts of as many), so that the cores, each taking the
-    # next task when free (moe_experts), end together: the last tasks taken are the shortest.
+    # token. For one token, the tasks that moe_experts shares out equally: each part ahead of an equal share of the
+    # experts (on two cores: a part and three of the six experts each, one core's FP8 part read beside the other's
+    # FP4 experts). For more, most tokens first (the shared parts after the experts of as many), so that the
+    # cores, each taking the next task when free, end together: the last tasks taken are the shortest.
     n = x.shape[0]
     num_experts = gate_w.shape[0]
     chosen = np.empty((n, top_k), dtype=np.int64)
@@ -124,6 +134,20 @@ def _moe_route(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, chunk
             weight_of[fill[e]] = weight[t, j]
             fill[e] += 1
     num_tasks = 0
+    if n == 1:
+        active, half = counts[num_experts], 0  # (the experts chosen: one pair each)
+        for e in range(num_experts):
+            if counts[e + 1] > counts[e]:
+                if half < chunks and counts[e] >= half * active // chunks:
+                    tasks[num_tasks] = num_experts + half
+                    num_tasks += 1
+                    half += 1
+                tasks[num_tasks] = e
+                num_tasks += 1
+        for c in range(half, chunks):
+            tasks[num_tasks] = num_experts + c
+            num_tasks += 1
+        return num_tasks
     for c in range(n, 0, -1):  # (an expert has at most n tokens: each token chooses it once at most)
         for e in range(num_experts):
             if counts[e + 1] - counts[e] == c:
@@ -175,17 +199,19 @@ _moe_task_jit = _inlined(_moe_task)
 
 def _moe_experts(x, counts, tasks, claimed, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s, sw2,
                  sw2_s, limit, bf16, shared_bf16, ys, shared_out, part, parts):  # fmt: skip
-    # (compiled) moe_tokens' tasks (_moe_task), in `tasks`' order: on one thread all of them; in parts, each part
-    # takes the next task not yet taken (base._claim on `claimed`, zero before the call) until none is left
+    # (compiled) moe_tokens' tasks (_moe_task), in `tasks`' order (moe_route): for one token, this part's equal
+    # share of them; for more, each part takes the next task not yet taken (base._claim on `claimed`, zero before
+    # the call) until none is left
     pairs, hidden, inter = token_of.shape[0], x.shape[1], w13.shape[1] // 2
     rows = _empty64_f32(pairs, hidden)  # (the experts' inputs, on 64 bytes: base._empty64_f32)
     both = np.empty((pairs, 2 * inter), dtype=np.float32)
     act = _empty64_f32(pairs, inter)
-    job = 0 if parts == 1 else _claim(claimed)
-    while job < tasks.shape[0]:
+    shares = parts == 1 or x.shape[0] == 1
+    job, end = _share_jit(tasks.shape[0], part, parts) if shares else (_claim(claimed), tasks.shape[0])
+    while job < end:
         _moe_task_jit(tasks[job], x, counts, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s, sw2,
                       sw2_s, limit, bf16, shared_bf16, ys, shared_out, rows, both, act)  # fmt: skip
-        job = job + 1 if parts == 1 else _claim(claimed)
+        job = job + 1 if shares else _claim(claimed)
 
 
 # work = multiply-adds (moe_work): on 2 cores the shipped model's experts pay for threads from about 16 tokens, and
