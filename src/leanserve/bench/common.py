@@ -71,7 +71,7 @@ def mtp_runner(
     EngineConfig's fp4_inputs / fp8_inputs)."""
     from leanserve.engine.config import EngineConfig
     from leanserve.engine.llm_engine import check_speculative, resolve_dtype
-    from leanserve.engine.runner import StageRunner
+    from leanserve.engine.runner import StageRunner, freeze_built_objects
     from leanserve.engine.topology import PipelineTopology
     from leanserve.model.config import ModelConfig
 
@@ -81,10 +81,12 @@ def mtp_runner(
         speculative_config={"method": "mtp", "num_speculative_tokens": k}, **inputs,
     )  # fmt: skip
     check_speculative(config.speculative_config, cfg, model)
-    return StageRunner(
+    runner = StageRunner(
         cfg, config, PipelineTopology.build(cfg, 1).layout(0), resolve_dtype(dtype, model),
         config.resolved_max_model_len(cfg), progress=False,
     )  # fmt: skip
+    freeze_built_objects()  # (no full collection's walk in the timings)
+    return runner
 
 
 def prefill(runner, batch: int, prompt_len: int, next_tokens: tuple[int, ...] = (), prompts=None) -> None:
@@ -120,7 +122,7 @@ def stage_runner(
     (`fp4_inputs`, `fp8_inputs`: EngineConfig's)."""
     from leanserve.engine.config import EngineConfig
     from leanserve.engine.llm_engine import resolve_dtype
-    from leanserve.engine.runner import StageRunner
+    from leanserve.engine.runner import StageRunner, freeze_built_objects
     from leanserve.engine.topology import PipelineTopology
     from leanserve.model.config import ModelConfig
 
@@ -130,7 +132,9 @@ def stage_runner(
         fp4_inputs=fp4_inputs, fp8_inputs=fp8_inputs,
     )  # fmt: skip
     dtype = resolve_dtype("auto", str(model_dir))
-    return StageRunner(cfg, config, PipelineTopology.build(cfg, 1).layout(0), dtype, max_len, progress=False)
+    runner = StageRunner(cfg, config, PipelineTopology.build(cfg, 1).layout(0), dtype, max_len, progress=False)
+    freeze_built_objects()  # (no full collection's walk in the timings)
+    return runner
 
 
 class GreedyDecoder:
