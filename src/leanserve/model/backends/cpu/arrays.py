@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 NO_ROWS = np.empty((0, 1, 1), dtype=np.float32)
 NO_CHOICE = np.empty((0, 0, 0), dtype=np.int64)
-INDEX_PART_ROWS = 1024  # the fewest compressed rows worth a core of their own in the indexer's choice
+INDEX_PART_ROWS = 256  # the fewest compressed rows worth a core of their own in the indexer's choice
 NO_NEW_KV = np.empty((0, 1), dtype=np.float32)  # (a step whose rows went into the ring first)
 NO_TABLE = np.empty((0, 0), dtype=np.int64)
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
