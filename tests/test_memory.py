@@ -35,7 +35,9 @@ SPECS = {
 
 
 def live_storages() -> dict[int, int]:
-    """data_ptr -> bytes of every tensor storage alive in this process (views share one storage)."""
+    """data_ptr -> bytes of every tensor storage alive in this process (views share one storage). The collector
+    lists only the objects it walks, so those an engine's warm-up put out of its walks (gc.freeze) come back first."""
+    gc.unfreeze()
     gc.collect()
     out = {}
     for obj in gc.get_objects():
