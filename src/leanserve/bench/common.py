@@ -71,7 +71,7 @@ def mtp_runner(
     EngineConfig's fp4_inputs / fp8_inputs)."""
     from leanserve.engine.config import EngineConfig
     from leanserve.engine.llm_engine import check_speculative, resolve_dtype
-    from leanserve.engine.runner import StageRunner, freeze_built_objects
+    from leanserve.engine.runner import StageRunner
     from leanserve.engine.topology import PipelineTopology
     from leanserve.model.config import ModelConfig
 
@@ -81,12 +81,10 @@ def mtp_runner(
         speculative_config={"method": "mtp", "num_speculative_tokens": k}, **inputs,
     )  # fmt: skip
     check_speculative(config.speculative_config, cfg, model)
-    runner = StageRunner(
+    return StageRunner(
         cfg, config, PipelineTopology.build(cfg, 1).layout(0), resolve_dtype(dtype, model),
         config.resolved_max_model_len(cfg), progress=False,
     )  # fmt: skip
-    freeze_built_objects()  # (no full collection's walk in the timings)
-    return runner
 
 
 def prefill(runner, batch: int, prompt_len: int, next_tokens: tuple[int, ...] = (), prompts=None) -> None:
@@ -122,7 +120,7 @@ def stage_runner(
     (`fp4_inputs`, `fp8_inputs`: EngineConfig's)."""
     from leanserve.engine.config import EngineConfig
     from leanserve.engine.llm_engine import resolve_dtype
-    from leanserve.engine.runner import StageRunner, freeze_built_objects
+    from leanserve.engine.runner import StageRunner
     from leanserve.engine.topology import PipelineTopology
     from leanserve.model.config import ModelConfig
 
@@ -132,9 +130,7 @@ def stage_runner(
         fp4_inputs=fp4_inputs, fp8_inputs=fp8_inputs,
     )  # fmt: skip
     dtype = resolve_dtype("auto", str(model_dir))
-    runner = StageRunner(cfg, config, PipelineTopology.build(cfg, 1).layout(0), dtype, max_len, progress=False)
-    freeze_built_objects()  # (no full collection's walk in the timings)
-    return runner
+    return StageRunner(cfg, config, PipelineTopology.build(cfg, 1).layout(0), dtype, max_len, progress=False)
 
 
 class GreedyDecoder:
