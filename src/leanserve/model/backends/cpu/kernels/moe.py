@@ -71,6 +71,13 @@ def _shared_parts(sw1, sw2_s):
 _shared_parts_jit = _inlined(_shared_parts)
 
 
+def _in_shares(n):  # pragma: no cover - compiled: whether n tokens' tasks go in equal shares, not taken in turn
+    return n == 1  # (one token: every task is one token's, and the shares are ordered for equal bytes)
+
+
+_in_shares_jit = _inlined(_in_shares)
+
+
 def _moe_route(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, chunks, token_of, weight_of, counts,
                tasks):  # fmt: skip
     # (compiled) moe_tokens' routing: the (token, k) pairs bucketed by expert (expert e's are [counts[e],
@@ -135,7 +142,7 @@ def _moe_route(x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, chunk
             weight_of[fill[e]] = weight[t, j]
             fill[e] += 1
     num_tasks = 0
-    if n == 1:
+    if _in_shares_jit(n):
         active, half = counts[num_experts], 0  # (the experts chosen: one pair each)
         for e in range(num_experts):
             if counts[e + 1] > counts[e]:
@@ -207,7 +214,7 @@ def _moe_experts(x, counts, tasks, claimed, token_of, weight_of, w13, w13_s, w2,
     rows = _empty64_f32(pairs, hidden)  # (the experts' inputs, on 64 bytes: base._empty64_f32)
     both = np.empty((pairs, 2 * inter), dtype=np.float32)
     act = _empty64_f32(pairs, inter)
-    shares = parts == 1 or x.shape[0] == 1
+    shares = parts == 1 or _in_shares_jit(x.shape[0])
     job, end = _share_jit(tasks.shape[0], part, parts) if shares else (_claim(claimed), tasks.shape[0])
     while job < end:
         _moe_task_jit(tasks[job], x, counts, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s, sw2,
