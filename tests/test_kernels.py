@@ -1,6 +1,7 @@
 """The CPU backend (the numba kernels) agrees with the torch backend, op by op and on whole engines, and the
 engine takes the CPU backend's decode path where it should."""
 
+import contextlib
 import os
 import platform
 
@@ -16,6 +17,17 @@ from leanserve.model.weights import MixWeights
 pytestmark = pytest.mark.skipif(cpu_kernels.numba is None, reason="numba is not installed")
 
 TORCH = TorchBackend()
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """torch, and the kernels that follow its thread count, on n threads while the block runs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _cpu():
@@ -746,12 +758,8 @@ def test_threaded_kernels_match_one_thread(monkeypatch):
     prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate([5, 70, 23, 40] * 5)]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True)
     llm = LLM("models/dsv4-stdlib-8m", dtype="float32", max_model_len=128, max_num_seqs=20, load_progress=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # (the test session runs torch on one thread; the kernels follow it)
-    try:
+    with _torch_threads(2):  # (the test session runs torch on one thread; the kernels follow it)
         threaded = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    finally:
-        torch.set_num_threads(threads)
     kernels = {"attend", "index_scores", "index_merge", "moe_experts", "hc_pre", "hc_post", "norm_rope", "rms_norm"}
     kernels.add("grouped_linear")
     assert kernels <= ran, f"these kernels never ran in threaded parts: {sorted(kernels - ran)}"
@@ -777,14 +785,10 @@ def test_a_part_that_fails_in_a_thread_is_an_error_not_a_silent_hole():
 
     kernel = Threaded(_fails_in_its_second_part, min_work=1)
     x = np.zeros(2, dtype=np.float32)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with _torch_threads(2):
         assert cpu_kernels.threads() == 2
         with pytest.raises(RuntimeError, match="_fails_in_its_second_part failed in a thread"):
             kernel(10, x)
-    finally:
-        torch.set_num_threads(threads)
     kernel(0, x)  # one thread: part 0 of 1, which does not fail
     assert x[0] == 1.0
 
@@ -806,12 +810,8 @@ def test_quantized_kernels_threaded_match_one_thread():
         return [*cpu.linears(x, (w,)), cpu.grouped_linear(x.view(8, 2, 192), wo_a),
                 torch.from_numpy(cpu_kernels.dequantized(numpy_views(w4)))]  # fmt: skip
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with _torch_threads(2):
         threaded = run()
-    finally:
-        torch.set_num_threads(threads)
     with cpu_kernels.one_thread():
         one = run()
     for a, b in zip(threaded, one, strict=True):
@@ -834,12 +834,8 @@ def test_claimed_tasks_run_once_each_whatever_the_parts(parts):
     kernel = Threaded(_claims_tasks, min_work=1)
     done = np.zeros(10_000, dtype=np.int64)
     claimed = np.zeros(1, dtype=np.int64)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with _torch_threads(2):
         kernel._parallel((done, claimed), parts)
-    finally:
-        torch.set_num_threads(threads)
     assert (done == 1).all() and claimed[0] >= done.shape[0]
 
 
@@ -892,12 +888,8 @@ def test_moe_on_several_cores_gives_one_cores_bits(experts, tokens, monkeypatch)
     run = moe_kernels.moe_experts._parallel
     monkeypatch.setattr(moe_kernels.moe_experts, "_parallel", lambda args, n: (parts.append(n), run(args, n))[1])
     monkeypatch.setattr(moe_kernels.moe_experts, "min_work", 1)  # (the tiny model's one token too)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with _torch_threads(2):
         several = moe(x, ids)
-    finally:
-        torch.set_num_threads(threads)
     assert parts == [2]
     with cpu_kernels.one_thread():
         one = moe(x, ids)
@@ -1104,14 +1096,10 @@ def test_attention_of_one_block_split_by_heads_gives_each_head_its_bits(choose):
             np.zeros(1, np.int64), table, rows.reshape(-1, per_block, dim), np.full((1, 1), n_rows, np.int64), chosen,
             sink, np.float32(dim**-0.5), freqs)  # fmt: skip
     outs = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # (work 0: whole on this thread; 1 << 30: in threaded parts)
-    try:
+    with _torch_threads(2):  # (work 0: whole on this thread; 1 << 30: in threaded parts)
         for splits, work in ((1, 0), (3, 0), (3, 1 << 30), (7, 1 << 30)):
             outs[splits, work] = np.full((1, heads, dim), np.nan, dtype=np.float32)
             cpu_kernels.attend(work, *args, splits, outs[splits, work])
-    finally:
-        torch.set_num_threads(threads)
     whole = outs[1, 0]
     assert np.isfinite(whole).all()
     for key, out in outs.items():
