@@ -53,12 +53,13 @@ class LeanRunner:
 
 
 def load_lean(
-    model_dir: Path, dtype: torch.dtype = torch.float32, with_mtp: bool | None = None, max_len: int = MAX_LEN
-) -> DeepseekV4:
+    model_dir: Path, dtype: torch.dtype = torch.float32, with_mtp: bool | None = None, max_len: int = MAX_LEN,
+    backend: str = "auto",
+) -> DeepseekV4:  # fmt: skip
     cfg = ModelConfig.from_hf(model_dir)
     if with_mtp is None:
         with_mtp = has_mtp_weights(model_dir)
-    model = build_model(cfg, max_positions=max_len, dtype=dtype, with_mtp=with_mtp)
+    model = build_model(cfg, max_positions=max_len, dtype=dtype, with_mtp=with_mtp, backend=backend)
     load_weights(model, model_dir, progress=False)
     return model
 

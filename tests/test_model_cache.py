@@ -6,9 +6,12 @@ cross the window and many compression boundaries, in prefill and while decoding.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from conftest import MAX_LEN, LeanRunner, load_lean
 from leanserve.model.batch import Chunk, build_forward_batch
 from leanserve.model.loader import has_mtp_weights
 
@@ -227,12 +230,37 @@ def test_mtp_layer_loads_and_runs(tiny_ckpt, tiny_model, runner, ids_of):
     assert_close(torch.cat(rows), logits, "MTP incremental")
 
 
-def test_mtp_logits_index(tiny_model, runner, ids_of):
-    cfg = tiny_model.cfg
-    run = runner(num_slots=1)
-    streams = torch.randn(10, cfg.hc_mult, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    fb = build_forward_batch([Chunk(0, 0, ids_of(10, 70))], run.geo, logits_index=[9])
-    with torch.no_grad():
-        logits, out = tiny_model.mtp_forward(streams, fb, run.caches)
-    assert logits.shape == (1, cfg.vocab_size)
-    assert out.shape == (10, cfg.hc_mult, cfg.hidden_size)
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_mtp_outputs_only_the_rows_asked_for(tiny_ckpt, ids_of, backend, monkeypatch):
+    # The MTP layer's catch-up drafts from its last position only: with logits_index it gives the logits and output
+    # streams of those rows alone (their MoE alone runs), the same as a pass over every row, and the other rows'
+    # keys still go into its cache (the next position attends to them). The CPU kernels give a row the same bits
+    # whatever rows it comes with; torch's matmuls need not.
+    from leanserve.model.backends.cpu import decode
+
+    model = load_lean(tiny_ckpt, with_mtp=True, backend=backend)
+    cfg = model.cfg
+    whole = []  # (the CPU backend's passes as numpy arrays, decode.mtp: what its decode steps run)
+    monkeypatch.setattr(decode, "mtp", lambda *a, f=decode.mtp: whole.append(1) or f(*a))
+    streams = torch.randn(12, cfg.hc_mult, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    ids = ids_of(12, 70)
+    outputs = {}
+    geo = dataclasses.replace(LeanRunner(model, 1, MAX_LEN, 2).geo, compress={})  # (as the MTP layer of k = 2 has)
+    for name, index in (("all", None), ("last", [2]), ("two", [0, 2]), ("none", [])):
+        run = LeanRunner(model, 1, MAX_LEN, 2)
+        with torch.no_grad():  # positions 0-7, then a catch-up over 8-10 (`index`), then 11 (it attends to 8-10)
+            model.mtp_forward(streams[:8], build_forward_batch([Chunk(0, 0, ids[:8])], geo), run.caches)
+            fb = build_forward_batch([Chunk(0, 8, ids[8:11])], geo, logits_index=index)
+            outputs[name] = model.mtp_forward(streams[8:11], fb, run.caches)
+            fb = build_forward_batch([Chunk(0, 11, ids[11:])], geo)
+            outputs[name] += model.mtp_forward(streams[11:], fb, run.caches)
+    logits, out, after, _ = outputs["all"]
+    assert outputs["last"][0].shape == (1, cfg.vocab_size)
+    assert outputs["last"][1].shape == (1, cfg.hc_mult, cfg.hidden_size)
+    same = torch.equal if backend == "cpu" else lambda a, b: torch.allclose(a, b, rtol=0, atol=TOL)
+    for name, rows in (("last", [2]), ("two", [0, 2])):
+        assert same(outputs[name][0], logits[rows]) and same(outputs[name][1], out[rows]), name
+    assert outputs["none"][0].shape == (0, cfg.vocab_size) and outputs["none"][1].shape[0] == 0
+    for name in ("last", "two", "none"):
+        assert same(outputs[name][2], after), name
+    assert len(whole) == (8 if backend == "cpu" else 0)  # (the last two steps of each)

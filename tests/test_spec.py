@@ -411,6 +411,25 @@ def test_a_token_and_its_drafts_read_more_of_the_routed_experts_and_once_the_res
             assert three[name] == nbytes
 
 
+def test_the_mtp_layers_byte_price_counts_the_experts_of_the_position_it_drafts_from():
+    # The MTP layer's catch-up runs its MoE at the last position of each sequence only (torch_math.blocks.mtp): so
+    # catching up over three positions and drafting once more (four embedding rows a sequence) costs twice a
+    # catch-up over two, and the trunk's verification over 2 tokens a sequence costs more than a plain step.
+    from leanserve.bench.spec_cost import byte_prices
+    from leanserve.engine.costs import token_read_bytes
+    from leanserve.make_random import preset_config
+
+    cfg = preset_config("tiny", num_nextn_predict_layers=1)
+    for batch in (1, 4):
+        prices, one = byte_prices(cfg, batch), token_read_bytes(cfg, batch, with_mtp=True)
+        plain = sum(b for n, b in one.items() if not n.startswith("mtp."))
+        row = one["embed.weight"] / batch / plain
+        assert prices["two"] == pytest.approx(2 * prices["accepted"])
+        mtp_pass = sum(b for n, b in one.items() if n.startswith("mtp.") or n in ("head.weight", "embed.weight"))
+        assert prices["accepted"] == pytest.approx(mtp_pass / plain + batch * row)
+        assert 1 < prices["verify"] < prices["verify2"]
+
+
 def test_bench_spec_cost_reports_a_step_and_its_ceiling(capsys, make_ckpt):
     args = ["--log-level", "warning", "bench", "spec-cost", "--model", str(SHIPPED), "--batch-sizes", "1,2"]
     assert main([*args, "--repeats", "4", "--output", "json"]) == 0

@@ -101,7 +101,7 @@ def kernel_profile():
         return sum(weight_bytes(a) for part in parts for a in part)
 
     timed(quantized.Matmuls, "__call__", linear_label, linear_bytes)
-    timed(decode, "moe", "moe (router, experts, shared expert)", lambda p, x, step: moe_bytes(p.w.moe))
+    timed(decode, "moe", "moe (router, experts, shared expert)", lambda p, x, ids: moe_bytes(p.w.moe))
     timed(decode, "grouped_linear_arrays", "grouped linear (wo_a)", lambda x, w: weight_bytes(w))
     timed(decode, "attend_arrays", "attention (window, compressed rows, indexer)")
     timed(decode, "compress_arrays", "compressors")

@@ -80,7 +80,9 @@ def byte_prices(cfg, batch: int) -> dict[str, float]:
     """What each part of a step would cost, in plain steps, if it cost the weight bytes it reads (engine/costs.py,
     as the checkpoint stores them), for `batch` sequences: "verify" and "verify2", the trunk over 2 and 3 tokens a
     sequence (more of each layer's routed experts); "accepted", the MTP layer over the two positions it catches up
-    on; "two", over three positions and once more for the second draft; each MTP pass with the whole shared head."""
+    on; "two", over three positions and once more for the second draft; each MTP pass with the whole shared head,
+    and the routed experts of one position a sequence (the one it drafts from: the others only go through its
+    attention, torch_math.blocks.mtp)."""
     from leanserve.engine.costs import token_read_bytes
 
     reads = {n: token_read_bytes(cfg, n, with_mtp=True) for n in (batch, 2 * batch, 3 * batch)}  # (one model each)
@@ -88,16 +90,17 @@ def byte_prices(cfg, batch: int) -> dict[str, float]:
     def trunk(tokens: int) -> float:
         return sum(b for n, b in reads[tokens].items() if not n.startswith("mtp."))
 
-    def mtp(tokens: int) -> float:
-        read = reads[tokens]
-        return sum(b for n, b in read.items() if n.startswith("mtp.")) + read["head.weight"] + read["embed.weight"]
+    def mtp(positions: int) -> float:
+        read, drafting = reads[positions * batch], reads[batch]
+        layer = sum((drafting if ".experts." in n else read)[n] for n in read if n.startswith("mtp."))
+        return layer + read["head.weight"] + read["embed.weight"]
 
     plain = trunk(batch)
     return {
         "verify": trunk(2 * batch) / plain,
-        "accepted": mtp(2 * batch) / plain,
+        "accepted": mtp(2) / plain,
         "verify2": trunk(3 * batch) / plain,
-        "two": (mtp(3 * batch) + mtp(batch)) / plain,
+        "two": (mtp(3) + mtp(1)) / plain,
     }
 
 

@@ -141,15 +141,15 @@ class MTPProposer(ModelProposer):
             streams = self.target_hidden[torch.tensor(rows, device=self.device)]
         streams = streams.view(-1, cfg.hc_mult, cfg.hidden_size)
         logits, out = self.model.mtp_forward(streams, fb, self.caches)
-        return (out, logits_index), logits  # (the next draft's streams: out's rows of `wanted`, gathered if needed)
+        return out, logits  # (the next draft's streams: out, a row per item of `wanted`)
 
     def next(self, wanted, tokens, j, state, keep):
         # Draft j+1 from the MTP layer's own output streams at the previous position and draft j's embedding.
         chunks = [Chunk(it.slot, it.start + len(it.known) - 2 + j, (t,)) for it, t in zip(wanted, tokens, strict=True)]
         fb = build_forward_batch(chunks, self.geometry, list(range(len(chunks))), self.device, self.table)
-        out, rows = state
-        logits, out = self.model.mtp_forward(out[[rows[i] for i in keep]], fb, self.caches)
-        return (out, list(range(len(chunks)))), logits
+        streams = state if len(keep) == state.shape[0] else state[keep]
+        logits, out = self.model.mtp_forward(streams, fb, self.caches)
+        return out, logits
 
 
 class DraftModelProposer(ModelProposer):

@@ -205,7 +205,8 @@ class DeepseekV4(UsesBackend, nn.Module):
         fb: ForwardBatch,  # the t+1 tokens (input ids, positions) and the MTP cache geometry
         caches: dict[str, LayerCache],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (logits [T', vocab] for fb.logits_index, the MTP block's output streams [T, hc, hidden])."""
+        """Returns (logits [T', vocab], the MTP block's output streams [T', hc, hidden]) at the rows fb.logits_index
+        (None: all T); the other rows only put their keys in the MTP layer's cache."""
         assert self.mtp is not None, "this model was built without its MTP layer"
         hidden, out = self.ops.run_mtp(self.mtp_weights(), streams, fb, caches["mtp.0"])
         return self.logits(hidden), out

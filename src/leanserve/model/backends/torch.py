@@ -86,8 +86,8 @@ class TorchBackend:
     def moe(self, w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         return moe.moe(self, w, x, input_ids)
 
-    def block(self, w: BlockWeights, streams, fb: ForwardBatch, cache: LayerCache, ropes: dict) -> torch.Tensor:
-        return blocks.block(self, w, streams, fb, cache, ropes)
+    def block(self, w: BlockWeights, streams, fb: ForwardBatch, cache: LayerCache, ropes: dict, rows=None):
+        return blocks.block(self, w, streams, fb, cache, ropes, rows)
 
     # --- whole steps ----------------------------------------------------------------------------------
     def run_blocks(
@@ -98,8 +98,8 @@ class TorchBackend:
         return blocks.blocks(self, w, fb, caches, streams)
 
     def run_mtp(self, w: MTPWeights, streams, fb: ForwardBatch, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP layer over a step (fb: the t+1 tokens), from the embedding on: (the head's input at the rows
-        fb.logits_index [T', hidden], its output streams [T, hc, hidden])."""
+        """The MTP layer over a step (fb: the t+1 tokens), from the embedding on: (the head's input [T', hidden],
+        its output streams [T', hc, hidden]) at the rows fb.logits_index (None: all)."""
         return blocks.mtp(self, w, streams, fb, cache)
 
 

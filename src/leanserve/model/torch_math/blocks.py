@@ -59,24 +59,30 @@ def blocks(
 
 
 def block(
-    ops: TorchBackend, w: BlockWeights, streams: torch.Tensor, fb: ForwardBatch, cache: LayerCache, step_ropes: dict
-) -> torch.Tensor:
-    """One block: mHC around the attention, then mHC around the MoE. streams [T, hc, hidden]."""
+    ops: TorchBackend, w: BlockWeights, streams: torch.Tensor, fb: ForwardBatch, cache: LayerCache, step_ropes: dict,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """One block: mHC around the attention, then mHC around the MoE. streams [T, hc, hidden]. `rows` (None: all
+    T): the rows whose output is wanted, [len(rows), hc, hidden]; the others go through the attention only, which
+    puts their keys in the cache (the MTP layer's catch-up, whose last position alone drafts)."""
     x, post, comb = ops.hc_pre(streams, w.attn_mix)
     streams = ops.hc_post(ops.attention(w.attn, x, fb, cache, step_ropes), streams, post, comb)
+    ids = fb.input_ids
+    if rows is not None:
+        streams, ids = streams[rows], ids[rows]
     x, post, comb = ops.hc_pre(streams, w.ffn_mix)
-    return ops.hc_post(ops.moe(w.moe, x, fb.input_ids), streams, post, comb)
+    return ops.hc_post(ops.moe(w.moe, x, ids), streams, post, comb)
 
 
 def mtp(
     ops: TorchBackend, w: MTPWeights, streams: torch.Tensor, fb: ForwardBatch, cache: LayerCache
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MTP layer over a step (fb: the t+1 tokens) from the trunk's streams at t: (the shared head's input at
-    the rows fb.logits_index [T', hidden], the block's output streams [T, hc, hidden])."""
+    """The MTP layer over a step (fb: the t+1 tokens) from the trunk's streams at t: (the shared head's input [T',
+    hidden], the block's output streams [T', hc, hidden]) at the rows fb.logits_index (None: all T); the other
+    rows' keys go into the cache, and their MoE is not run."""
     x = mtp_input(ops, w, streams, embed(w.embed, fb.input_ids, w.act_dtype))
-    out = ops.block(w.block, x, fb, cache, ropes(w.rope, fb))
-    hidden = ops.hc_head(out, w.head)
-    return (hidden if fb.logits_index is None else hidden[fb.logits_index]), out
+    out = ops.block(w.block, x, fb, cache, ropes(w.rope, fb), fb.logits_index)
+    return ops.hc_head(out, w.head), out
 
 
 def mtp_input(ops: TorchBackend, w: MTPWeights, streams: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:

@@ -117,9 +117,10 @@ def blocks(embed: np.ndarray | None, plans: list[Plan], hc: int, step: Step, str
 
 def mtp(w: MTPWeights, plan: Plan, streams: np.ndarray, step: Step, rows) -> tuple[np.ndarray, np.ndarray]:
     """The MTP layer over a step from the embedding of its tokens (w the MTPWeights views, plan its block's):
-    (the shared head's input at `rows` (None: all) [T', hidden], the block's output streams [T, hc, hidden])."""
-    out = settled(*block(plan, mtp_input(w, streams, embedded(w.embed, step.ids)), step))
-    return hc_pre_arrays(out if rows is None else out[rows], w.head)[0], out
+    (the shared head's input [T', hidden], the block's output streams [T', hc, hidden]) at `rows` (None: all T),
+    the other rows going through the attention only (torch_math.blocks.mtp)."""
+    out = settled(*block(plan, mtp_input(w, streams, embedded(w.embed, step.ids)), step, rows=rows))
+    return hc_pre_arrays(out, w.head)[0], out
 
 
 def mtp_input(w: MTPWeights, streams: np.ndarray, embeds: np.ndarray) -> np.ndarray:
@@ -130,13 +131,16 @@ def mtp_input(w: MTPWeights, streams: np.ndarray, embeds: np.ndarray) -> np.ndar
     return ck.matmuls(h, (w.h_proj,))[0].reshape(n, hc, dim) + ck.matmuls(e, (w.e_proj,))[0][:, None, :]
 
 
-def block(p: Plan, s: np.ndarray, step: Step, pending=None):
+def block(p: Plan, s: np.ndarray, step: Step, pending=None, rows=None):
     """One block: (its streams before its last hc_post, that hc_post's pending inputs); `pending` the previous
-    block's (see mixed_in)."""
-    for mix, sub in ((p.w.attn_mix, attention), (p.w.ffn_mix, moe)):
-        s, x, weights = mixed_in(s, mix, pending)
-        pending = sub(p, x, step), weights
-    return s, pending
+    block's (see mixed_in); `rows` (None: all): the rows whose output is wanted, the others going through the
+    attention only (torch_math.blocks.block)."""
+    s, x, weights = mixed_in(s, p.w.attn_mix, pending)
+    pending, ids = (attention(p, x, step), weights), step.ids
+    if rows is not None:
+        s, pending, ids = s[rows], (pending[0][rows], weights[rows]), ids[rows]
+    s, x, weights = mixed_in(s, p.w.ffn_mix, pending)
+    return s, (moe(p, x, ids), weights)
 
 
 def attention(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
@@ -172,6 +176,6 @@ def attention(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
     return p.wo_b(low.reshape(n, -1))[0]
 
 
-def moe(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
-    """The MoE (torch_math.moe.moe) as one kernel call."""
-    return moe_arrays(x, step.ids, p.moe_args)
+def moe(p: Plan, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The MoE (torch_math.moe.moe) as one kernel call; `ids` the rows' tokens (hash routing)."""
+    return moe_arrays(x, ids, p.moe_args)
