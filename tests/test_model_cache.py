@@ -264,3 +264,32 @@ def test_mtp_outputs_only_the_rows_asked_for(tiny_ckpt, ids_of, backend, monkeyp
     for name in ("last", "two", "none"):
         assert same(outputs[name][2], after), name
     assert len(whole) == (8 if backend == "cpu" else 0)  # (the last two steps of each)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_the_last_block_runs_its_moe_for_the_rows_whose_logits_are_wanted(tiny_ckpt, ids_of, backend, monkeypatch):
+    # A prompt's chunk with no logits wanted, then a chunk whose last row's are: the last block's MoE runs for those
+    # rows alone (the others' keys still go into every cache), and the logits are those of a pass over every row.
+    from leanserve.model.backends.cpu import decode
+
+    model = load_lean(tiny_ckpt, backend=backend)
+    ids, layers = ids_of(24, 5), model.cfg.num_hidden_layers
+    moe_rows = []
+    kind = type(model.ops)
+    monkeypatch.setattr(kind, "moe", lambda self, w, x, i, f=kind.moe: moe_rows.append(len(x)) or f(self, w, x, i))
+    monkeypatch.setattr(decode, "moe", lambda p, x, i, f=decode.moe: moe_rows.append(len(x)) or f(p, x, i))
+    results = {}
+    for name, index in (("all", (None, None)), ("wanted", ([], [2]))):
+        run, moe_rows[:] = LeanRunner(model, 1, MAX_LEN, 2), []
+        with torch.no_grad():
+            a = model(build_forward_batch([Chunk(0, 0, ids[:20])], run.geo, logits_index=index[0]), run.caches)
+            b = model(build_forward_batch([Chunk(0, 20, ids[20:23])], run.geo, logits_index=index[1]), run.caches)
+            c = model(build_forward_batch([Chunk(0, 23, ids[23:])], run.geo), run.caches)
+        results[name] = a, b, c, list(moe_rows)
+    a, b, c, rows = results["all"]
+    a2, b2, c2, rows2 = results["wanted"]
+    assert a2.shape[0] == 0 and b2.shape[0] == 1
+    same = torch.equal if backend == "cpu" else lambda x, y: torch.allclose(x, y, rtol=0, atol=TOL)
+    assert same(b2, b[2:]) and same(c2, c)
+    assert rows == [20] * layers + [3] * layers + [1] * layers
+    assert rows2 == [20] * (layers - 1) + [0] + [3] * (layers - 1) + [1] + [1] * layers

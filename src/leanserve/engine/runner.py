@@ -348,13 +348,17 @@ class StageRunner:
         streams = received.streams if received is not None else None
         if last:  # (before the model runs: the step's grammar masks are filled while it does)
             self.grammars.begin(plan.structured, plan.samples)
-        out = self.model.trunk(fb, self.caches, streams, target_hidden=self.target_hidden if capture_hidden else None)
+        # The last stage's streams at the sampled rows only (the others skip the last block's MoE), unless the MTP
+        # layer takes every row's or prompt logprobs read theirs.
+        capture = self.target_hidden if capture_hidden else None
+        sampled_only = last and capture is None and not plan.prompt_logprobs
+        out = self.model.trunk(fb, self.caches, streams, capture, fb.logits_index if sampled_only else None)
         if not last:
             return IntermediateStreams(out)
         # The head at the sampled rows, and only for requests asking for prompt logprobs at their prompt rows.
         prompt = self._prompt_logprobs(out, plan.prompt_logprobs) if plan.prompt_logprobs else {}
         self.penalties.begin(plan.penalty_slots, plan.chunks, plan.samples, plan.penalty_recount)
-        rows = out if fb.logits_index is None else out[fb.logits_index]  # (None: every row, in order)
+        rows = out if sampled_only or fb.logits_index is None else out[fb.logits_index]  # (None: every row)
         tokens = self._verify(self.model.head_logits(rows), plan.samples) if plan.samples else {}
         drafts = self._propose(plan, tokens) if propose and self.proposer is not None else {}
         outputs = {

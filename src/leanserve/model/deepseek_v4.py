@@ -168,10 +168,11 @@ class DeepseekV4(UsesBackend, nn.Module):
         [T, hc_mult, hidden]. Returns the streams (non-last stage) or float32 logits for the rows in
         fb.logits_index (last stage). `target_hidden`, when given, receives the pre-hc_head streams
         [T, hc_mult * hidden] (for the MTP drafter)."""
-        streams = self.trunk(fb, caches, streams, target_hidden)
         if not self.stage.is_last:
-            return streams
-        return self.head_logits(streams if fb.logits_index is None else streams[fb.logits_index])
+            return self.trunk(fb, caches, streams, target_hidden)
+        rows = fb.logits_index if target_hidden is None else None  # (target_hidden takes every row's streams)
+        streams = self.trunk(fb, caches, streams, target_hidden, rows)
+        return self.head_logits(streams if rows is not None or fb.logits_index is None else streams[fb.logits_index])
 
     def trunk(
         self,
@@ -179,11 +180,16 @@ class DeepseekV4(UsesBackend, nn.Module):
         caches: dict[str, LayerCache],
         streams: torch.Tensor | None = None,
         target_hidden: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This stage's blocks: the streams [T, hc_mult, hidden] of every token (on the last stage before hc_head;
-        `target_hidden` as in forward), for a caller that takes the head at rows of its own (`head_logits`)."""
+        `target_hidden` as in forward), for a caller that takes the head at rows of its own (`head_logits`). On the
+        last stage without `target_hidden`, `rows` (None: all) names the rows whose streams it returns, in order:
+        the others go through the last block's attention only (their keys into its cache), not its MoE."""
+        assert rows is None or (self.stage.is_last and target_hidden is None), "rows: the last stage's, no capture"
         layer_caches = [caches[key] for key in self.layers]
-        streams = self.ops.run_blocks(self.stage_weights(), fb, layer_caches, None if self.stage.is_first else streams)
+        first = self.stage.is_first
+        streams = self.ops.run_blocks(self.stage_weights(), fb, layer_caches, None if first else streams, rows)
         if self.stage.is_last and target_hidden is not None:
             target_hidden[: streams.shape[0]].copy_(streams.flatten(1))
         return streams

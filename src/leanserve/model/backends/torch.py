@@ -91,11 +91,12 @@ class TorchBackend:
 
     # --- whole steps ----------------------------------------------------------------------------------
     def run_blocks(
-        self, w: StageWeights, fb: ForwardBatch, caches: Sequence[LayerCache], streams: torch.Tensor | None
-    ) -> torch.Tensor:
+        self, w: StageWeights, fb: ForwardBatch, caches: Sequence[LayerCache], streams: torch.Tensor | None,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """The stage's blocks over a step (embedding first on the first stage, `streams` None): the output
-        streams."""
-        return blocks.blocks(self, w, fb, caches, streams)
+        streams at `rows` (None: all; the others' last MoE is not run)."""
+        return blocks.blocks(self, w, fb, caches, streams, rows)
 
     def run_mtp(self, w: MTPWeights, streams, fb: ForwardBatch, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over a step (fb: the t+1 tokens), from the embedding on: (the head's input [T', hidden],

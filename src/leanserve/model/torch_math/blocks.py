@@ -45,16 +45,19 @@ def embed(table: torch.Tensor, ids: torch.Tensor, act_dtype: torch.dtype) -> tor
 
 
 def blocks(
-    ops: TorchBackend, w: StageWeights, fb: ForwardBatch, caches: Sequence[LayerCache], streams: torch.Tensor | None
-) -> torch.Tensor:
+    ops: TorchBackend, w: StageWeights, fb: ForwardBatch, caches: Sequence[LayerCache], streams: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """The stage's blocks over a step, from the embedding (first stage, `streams` None) or from the previous
-    stage's streams [T, hc, hidden]: the output streams."""
+    stage's streams [T, hc, hidden]: the output streams, at `rows` only (None: all), whose last block alone runs
+    its MoE (see block)."""
     if streams is None:
         x = embed(w.embed, fb.input_ids, w.act_dtype)
         streams = x.unsqueeze(1).expand(-1, w.hc_mult, -1).contiguous()
     step_ropes = ropes(w.rope, fb)
-    for bw, cache in zip(w.blocks, caches, strict=True):
-        streams = ops.block(bw, streams, fb, cache, step_ropes)
+    last = len(w.blocks) - 1
+    for i, (bw, cache) in enumerate(zip(w.blocks, caches, strict=True)):
+        streams = ops.block(bw, streams, fb, cache, step_ropes, rows if i == last else None)
     return streams
 
 

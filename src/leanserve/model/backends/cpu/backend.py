@@ -273,14 +273,15 @@ class CpuBackend(TorchBackend):
             kept = self._plans[key] = (w, decode.Plan(numpy_views(w), tensors_of(w), cache))
         return kept[1]
 
-    def run_blocks(self, w, fb, caches, streams):
+    def run_blocks(self, w, fb, caches, streams, rows=None):
         if not self.decode_step(fb, w.act_dtype):
-            return super().run_blocks(w, fb, caches, streams)
+            return super().run_blocks(w, fb, caches, streams, rows)
         plans = [self.plan(bw, cache) for bw, cache in zip(w.blocks, caches, strict=True)]
         embed = self._views.get(w.embed) if streams is None else None
         s = None if streams is None else streams.numpy()
         step = decode.Step(fb, blocks.ropes(w.rope, fb, self._angles))
-        return torch.from_numpy(decode.blocks(embed, plans, w.hc_mult, step, s))
+        kept = None if rows is None else rows.numpy()
+        return torch.from_numpy(decode.blocks(embed, plans, w.hc_mult, step, s, kept))
 
     def run_mtp(self, w, streams, fb, cache):
         if not (self.decode_step(fb, streams.dtype) and _activations(streams)):

@@ -102,16 +102,17 @@ class Plan:
         return data_ptrs(self.tensors) == self.ptrs
 
 
-def blocks(embed: np.ndarray | None, plans: list[Plan], hc: int, step: Step, streams: np.ndarray | None):
+def blocks(embed: np.ndarray | None, plans: list[Plan], hc: int, step: Step, streams: np.ndarray | None, rows=None):
     """The blocks of `plans` over a step: from the embedding table's rows of the step's tokens (a first stage,
-    `embed` the table's numpy view, float32 or bfloat16 bits) or from `streams` [T, hc, hidden]."""
+    `embed` the table's numpy view, float32 or bfloat16 bits) or from `streams` [T, hc, hidden]; the output streams
+    at `rows` (None: all), whose last block alone runs its MoE (see block)."""
     if streams is None:
         x = embedded(embed, step.ids)
         streams = np.empty((x.shape[0], hc, x.shape[1]), dtype=np.float32)
         streams[:] = x[:, None, :]
     pending = None  # (each site's hc_post runs with the next one's hc_pre)
-    for plan in plans:
-        streams, pending = block(plan, streams, step, pending)
+    for i, plan in enumerate(plans):
+        streams, pending = block(plan, streams, step, pending, rows if i == len(plans) - 1 else None)
     return settled(streams, pending)
 
 
