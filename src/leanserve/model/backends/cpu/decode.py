@@ -91,6 +91,7 @@ class Plan:
         self.wo_a = wo_a if isinstance(wo_a, Fp8Weight) else wo_a.reshape(w.attn.o_groups, -1, wo_a.shape[1])
         a = w.attn  # (each linear's kernel calls, worked out once)
         self.inputs, self.wq_b, self.wo_b = ck.Matmuls(a.inputs), ck.Matmuls((a.wq_b,)), ck.Matmuls((a.wo_b,))
+        self.q_input, self.kv_inputs = ck.Matmuls(a.inputs[:1]), ck.Matmuls(a.inputs[1:])  # (for some rows' queries)
         self.idx_wq_b = ck.Matmuls((a.indexer.wq_b,)) if a.indexer is not None else None
         self.moe_args = moe_args(w.moe)
         self.ring = cache.window_kv.numpy().reshape(-1, w.attn.head_dim)
@@ -137,22 +138,27 @@ def block(p: Plan, s: np.ndarray, step: Step, pending=None, rows=None):
     block's (see mixed_in); `rows` (None: all): the rows whose output is wanted, the others going through the
     attention only (torch_math.blocks.block)."""
     s, x, weights = mixed_in(s, p.w.attn_mix, pending)
-    pending, ids = (attention(p, x, step), weights), step.ids
+    pending, ids = (attention(p, x, step, rows), weights), step.ids
     if rows is not None:
-        s, pending, ids = s[rows], (pending[0][rows], weights[rows]), ids[rows]
+        s, pending, ids = s[rows], (pending[0], weights[rows]), ids[rows]
     s, x, weights = mixed_in(s, p.w.ffn_mix, pending)
     return s, (moe(p, x, ids), weights)
 
 
-def attention(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
+def attention(p: Plan, x: np.ndarray, step: Step, rows=None) -> np.ndarray:
     """The attention layer (torch_math.attention.attention) on x [T, hidden]; every step's rows go into the ring
-    and the compressors' rings first (CpuBackend.decode_step)."""
+    and the compressors' rings first (CpuBackend.decode_step). `rows` (None: all): the rows whose output it
+    returns; the others' keys are made and stored, their queries are zeros (what attention gives them is unused),
+    and their query and output projections are not run."""
     w = p.w.attn
     n, dim = x.shape[0], w.head_dim
-    projected = p.inputs(x)
+    projected = p.inputs(x) if rows is None else p.q_input(x[rows]) + p.kv_inputs(x)
     q_residual = rms_norm_arrays(projected[0], w.q_norm, w.q_eps)
+    asked = q_residual.shape[0]
     angles = step.angles[w.rope_kind]
-    q = rope_arrays(p.wq_b(q_residual)[0].reshape(n, w.heads, dim), angles, w.eps, True, ck.EMPTY)
+    q_angles = angles if rows is None else angles[rows]
+    q = rope_arrays(p.wq_b(q_residual)[0].reshape(asked, w.heads, dim), q_angles, w.eps, True, ck.EMPTY)
+    q = _every_row(q, rows, n)
     kv = rope_arrays(projected[1].reshape(n, 1, dim), angles, w.eps, True, w.kv_norm).reshape(n, dim)
     src, dst = step.window
     p.ring[dst] = kv[src]
@@ -167,14 +173,25 @@ def attention(p: Plan, x: np.ndarray, step: Step) -> np.ndarray:
             r = p.idx_rings
             compress_arrays(projected[4], projected[5], meta, r.kv, r.gate, r.rows, row_angles, True, idx.compressor)
             if most > idx.topk:  # the indexer's queries (RoPE'd, no norm) and head weights
-                iq = p.idx_wq_b(q_residual)[0].reshape(n, idx.heads, idx.head_dim)
-                iq = rope_arrays(iq, angles, 0.0, False, ck.EMPTY)
+                iq = p.idx_wq_b(q_residual)[0].reshape(asked, idx.heads, idx.head_dim)
+                iq = _every_row(rope_arrays(iq, q_angles, 0.0, False, ck.EMPTY), rows, n)
                 index_queries = iq, projected[6] * np.float32(idx.heads**-0.5)
     visible = step.visible[w.layer_type] if most else step.no_visible
     out = np.empty((n, w.heads, dim), dtype=np.float32)
     attend_arrays(w, q, p.ring, NO_NEW_KV, step.group, step.table, most, visible, *p.rows, index_queries, angles, out)
-    low = grouped_linear_arrays(out.reshape(n, w.o_groups, -1), p.wo_a)
-    return p.wo_b(low.reshape(n, -1))[0]
+    if rows is not None:
+        out = out[rows]
+    low = grouped_linear_arrays(out.reshape(asked, w.o_groups, w.heads * dim // w.o_groups), p.wo_a)
+    return p.wo_b(low.reshape(asked, low.shape[1] * low.shape[2]))[0]  # (explicit sizes: `asked` may be 0)
+
+
+def _every_row(a: np.ndarray, rows, n: int) -> np.ndarray:
+    """`a` [len(rows), ...] as [n, ...]: its rows at `rows`, zeros elsewhere (`rows` None: `a` as it is)."""
+    if rows is None:
+        return a
+    out = np.zeros((n, *a.shape[1:]), dtype=a.dtype)
+    out[rows] = a
+    return out
 
 
 def moe(p: Plan, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
