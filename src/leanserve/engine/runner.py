@@ -228,7 +228,7 @@ class StageRunner:
         self._written = np.zeros(config.max_num_seqs, dtype=np.int64)  # positions each slot holds
         self.busy_s = 0.0  # seconds spent in execute (a pipeline's busy fractions)
         self.max_num_batched_tokens = tokens
-        freeze_built_objects()  # (again after warm-up: the kernels it loads)
+        freeze_built_objects()  # (warm-up freezes once more, for the kernels it loads)
 
     def info(self) -> StageInfo:
         return StageInfo(self.layout, self.memory, tuple(n for n, _ in self.model.named_parameters()))

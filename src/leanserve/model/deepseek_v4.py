@@ -170,9 +170,10 @@ class DeepseekV4(UsesBackend, nn.Module):
         [T, hc_mult * hidden] (for the MTP drafter)."""
         if not self.stage.is_last:
             return self.trunk(fb, caches, streams, target_hidden)
-        rows = fb.logits_index if target_hidden is None else None  # (target_hidden takes every row's streams)
-        streams = self.trunk(fb, caches, streams, target_hidden, rows)
-        return self.head_logits(streams if rows is not None or fb.logits_index is None else streams[fb.logits_index])
+        if target_hidden is None:  # (the trunk's streams at the logits' rows only)
+            return self.head_logits(self.trunk(fb, caches, streams, None, fb.logits_index))
+        streams = self.trunk(fb, caches, streams, target_hidden)  # (target_hidden takes every row's streams)
+        return self.head_logits(streams if fb.logits_index is None else streams[fb.logits_index])
 
     def trunk(
         self,

@@ -138,10 +138,10 @@ def block(p: Plan, s: np.ndarray, step: Step, pending=None, rows=None):
     block's (see mixed_in); `rows` (None: all): the rows whose output is wanted, the others going through the
     attention only (torch_math.blocks.block)."""
     s, x, weights = mixed_in(s, p.w.attn_mix, pending)
-    pending, ids = (attention(p, x, step, rows), weights), step.ids
+    out, ids = attention(p, x, step, rows), step.ids
     if rows is not None:
-        s, pending, ids = s[rows], (pending[0], weights[rows]), ids[rows]
-    s, x, weights = mixed_in(s, p.w.ffn_mix, pending)
+        s, weights, ids = s[rows], weights[rows], ids[rows]
+    s, x, weights = mixed_in(s, p.w.ffn_mix, (out, weights))
     return s, (moe(p, x, ids), weights)
 
 

@@ -163,12 +163,11 @@ class Threaded:
     """A kernel compiled once, `fn(*args, part, parts)`, that does share `part` of `parts` equal shares of its tasks,
     or takes them in turn with the other parts (_claim); each task writes only its own outputs: no races, no sums
     shared between threads. A call `kernel(work, *args)` runs it whole on this thread (part 0 of 1) while `work`
-    (the caller's measure of the call's size, e.g. tokens or multiply-adds) is below `min_work`, where waking
-    other cores costs more than it saves; from there on, one part
-    per core at once (`_run_parts`). The parts call the kernel's compiled code by its address, so the threaded
-    path compiles only a small launcher per argument types instead of a second build of the kernel and of all it
-    calls (numba's parallel builds cost 2-5x their one-thread builds), and a task gets the same arithmetic on any
-    number of threads."""
+    (the caller's measure of the call's size, e.g. tokens or multiply-adds) is below `min_work`, where waking other
+    cores costs more than it saves; from there on, one part per core at once (`_run_parts`). The parts call the
+    kernel's compiled code by its address, so the threaded path compiles only a small launcher per argument types
+    instead of a second build of the kernel and of all it calls (numba's parallel builds cost 2-5x their one-thread
+    builds), and a task gets the same arithmetic on any number of threads."""
 
     def __init__(self, fn, min_work: int) -> None:
         self.kernel, self.min_work = _jit(fn), min_work
