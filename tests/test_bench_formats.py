@@ -103,6 +103,11 @@ def test_the_kernel_profile_counts_fp8_linears_bytes(tmp_path, fp8_inputs):
         wq_b = totals[f"linear fp8 [{attn.wq_b.in_features} -> {attn.wq_b.out_features}]"]
         # (every FP8 linear of that shape, e.g. the indexer's too, has the same bytes a call)
         assert wq_b[0] % 3 == 0 and wq_b[2] == wq_b[0] * weight_bytes(attn.wq_b.w())
+        fp8 = "FP8" if fp8_inputs == "float32" else "FP8, bfloat16 inputs"
+        assert wq_b[3] == {fp8: wq_b[2]}  # (its bytes by format, for the floor)
+        calls, _, _, moe = totals["moe (router, experts, shared expert)"]
+        assert set(moe) == {"bfloat16", fp8, "FP4"}  # (the router; the shared expert; the routed experts)
+        assert moe["FP4"] == calls * _routed_fp4_bytes(llm.engine.model_config)
     finally:
         llm.shutdown()
 
@@ -157,5 +162,54 @@ def test_decode_rates_time_each_weight_format_through_its_kernel():
     from leanserve.bench.profile import decode_rates
 
     rates = decode_rates(repeats=2)
-    assert list(rates) == ["FP4", "FP8", "bfloat16"]
+    assert list(rates) == ["FP4", "FP8", "bfloat16", "float32", "FP4, bfloat16 inputs", "FP8, bfloat16 inputs"]
     assert all(0 < r < float("inf") for r in rates.values())
+
+
+def _routed_fp4_bytes(cfg) -> int:
+    """A batch-1 token's FP4 expert bytes in one MoE layer of cfg: top_k experts' gate, up and down values and
+    scales (one scale byte per 32 values)."""
+    weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return cfg.num_experts_per_tok * (weights // 2 + weights // 32)
+
+
+def test_a_tokens_bytes_by_format_add_up_to_its_bytes():
+    """bench/floor.py's accounting: a published token's bytes split into FP4 (the routed experts), FP8 (the FP8
+    linears, scales included), bfloat16 and float32, adding up to token_bytes; the bf16 checkpoint's have no FP4
+    or FP8, and bfloat16 inputs rename the quantized formats."""
+    from leanserve.bench.floor import token_format_bytes
+
+    cfg = preset_config("tiny")
+    published, plain = token_format_bytes(cfg, True), token_format_bytes(cfg, False)
+    assert sum(published.values()) == pytest.approx(token_bytes(cfg, True).total)
+    assert sum(plain.values()) == pytest.approx(token_bytes(cfg, False).total)
+    assert published["FP4"] == token_bytes(cfg, True).experts
+    assert published["FP8"] > 0 and published["bfloat16"] > token_bytes(cfg, True).head
+    assert set(plain) == {"bfloat16", "float32", "other"}  # ("other": the hash layer's tid2eid row)
+    rounded = token_format_bytes(cfg, True, fp4_inputs="bfloat16", fp8_inputs="bfloat16")
+    assert rounded["FP4, bfloat16 inputs"] == published["FP4"] and rounded["FP8, bfloat16 inputs"] == published["FP8"]
+    assert token_format_bytes(cfg, True, fp8_inputs="bfloat16").keys() == {
+        "FP4", "FP8, bfloat16 inputs", "bfloat16", "float32", "other"
+    }  # fmt: skip
+
+
+def test_the_floor_reads_each_format_at_the_slower_of_the_read_and_its_cores_decode():
+    from leanserve.bench.floor import floor_note, floor_seconds
+
+    rates = {"FP4": 2.0, "bfloat16": 50.0}  # (GB/s, one core)
+    # FP4: 2 cores decode 4 GB/s, slower than the 10 GB/s read; bfloat16 at the read; "other" has no rate: the read
+    assert floor_seconds({"FP4": 1e9, "bfloat16": 1e9, "other": 1e9}, 10.0, 2, rates) == pytest.approx(
+        1 / 4 + 1 / 10 + 1 / 10
+    )
+    assert floor_seconds({"FP4": 1e9}, 3.0, 2, rates) == pytest.approx(1 / 3)  # (the read slower than 4 GB/s)
+    note = floor_note({"published": 0.0125}, {"published": 0.01}, 2)
+    assert "2 cores' in-cache decode" in note and "published 12.50 ms (the read alone 10.00 ms: at most 80% of" in note
+
+
+def test_the_profile_gives_each_kernel_its_floor_over_its_time():
+    from leanserve.bench.profile import profile_rows
+
+    totals = {"moe": [2, 0.004, 3e6, {"FP4": 2e6, "FP8": 1e6}], "mHC": [10, 0.001, 0, {}]}
+    rows = profile_rows(totals, 2, 0.006, floor=lambda b: b["FP4"] / 1e9 + b["FP8"] / 2e9)  # (2.5 ms)
+    assert [(r.kernel, r.of_floor) for r in rows] == [("moe", 0.62), ("mHC", None), ("rest of the step", None)]
+    assert profile_rows(totals, 2, 0.006)[0].of_floor is None

@@ -27,9 +27,10 @@ import torch
 
 from leanserve.bench import peer
 from leanserve.bench.common import GreedyDecoder, print_rows, stage_runner
+from leanserve.bench.floor import floor_note, floor_seconds, token_format_bytes
 from leanserve.bench.options import FLOAT32_INPUTS, add_inputs, add_output, add_threads, inputs_of, int_list
 from leanserve.bench.peer import PEERS
-from leanserve.bench.profile import PROFILE_HEADERS, decode_note, decode_rates, seconds
+from leanserve.bench.profile import PROFILE_HEADERS, decode_note, decode_rates, profile_rows, seconds
 from leanserve.model.config import CSA, HCA, MOE, ModelConfig
 
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v4-flash.json"
@@ -47,6 +48,7 @@ class FormatRow:
     mb_per_step: float  # the weight bytes a step reads (StepCost)
     gb_s: float  # mb_per_step / the step's time
     of_bandwidth: float  # gb_s / the measured memory bandwidth
+    of_floor: float | None  # batch 1: the host's floor for the step's reads (bench/floor.py) / the step's time
     gflop_s: float  # the model's float32 arithmetic (StepCost) / the step's time
     of_compute: float  # gflop_s / the kernels' measured float32 peak
     bound: str  # the nearer limit: "bytes" or "arithmetic"
@@ -61,6 +63,7 @@ FORMAT_HEADERS = {
     "mb_per_step": "MB/step",
     "gb_s": "GB/s",
     "of_bandwidth": "of bandwidth",
+    "of_floor": "of floor",
     "gflop_s": "GFLOP/s",
     "of_compute": "of compute",
     "bound": "near",
@@ -288,10 +291,7 @@ def formats_bench(
     medians: dict[tuple[str, int], float] = {}
     runners = {}
     for group in [formats] if together else [(f,) for f in formats]:  # all loaded, or one after the other
-        runners = {
-            f: stage_runner(dirs[f], max(batch_sizes), max_len, **(inputs if f == BF16_INPUTS else FLOAT32_INPUTS))
-            for f in group
-        }
+        runners = {f: stage_runner(dirs[f], max(batch_sizes), max_len, **_inputs_of_row(f, inputs)) for f in group}
         for batch in batch_sizes:
             decoders = {f: GreedyDecoder(r, batch, prompt_len) for f, r in runners.items()}
             for d in decoders.values():  # warm-up (compiles)
@@ -309,12 +309,25 @@ def formats_bench(
             peaks.append(kernel_peak_gflops())
         profiled = profiled_row(inputs)
         if profile is not None and profiled in runners:
-            profile += _profile(runners[profiled], prompt_len, rounds)
+            profiled_steps = _profile(runners[profiled], prompt_len, rounds)
         del runners
     bw = {k: max(b[k] for b in bws) for k in bws[0]}
     peak = max(peaks)
-    decoding = decode_note(decode_rates(), bw["machine"] / kernel_threads()) if numba is not None else None
+    rates = decode_rates() if numba is not None else None
+    cores = kernel_threads() if numba is not None else 1
+    decoding = decode_note(rates, bw["machine"] / cores) if rates else None
     per_token = {f: token_bytes(cfg, published=f == "published") for f in FORMATS}
+    floors = {}  # (row -> the floor of a batch-1 step, and its reads at the machine's read alone)
+    for f in formats if rates else ():
+        by_format = token_format_bytes(cfg, f != "bf16", **_inputs_of_row(f, inputs))
+        floors[f] = (
+            floor_seconds(by_format, bw["machine"], cores, rates),
+            sum(by_format.values()) / bw["machine"] / 1e9,
+        )
+    if profile is not None and rates:
+        profile += profile_rows(*profiled_steps, lambda b: floor_seconds(b, bw["machine"], cores, rates))
+    elif profile is not None:
+        profile += profile_rows(*profiled_steps)
     rows = []
     for batch in batch_sizes:
         for f in ("published", *formats[2:], "bf16"):
@@ -324,7 +337,8 @@ def formats_bench(
             share, busy = gbs / bw["machine"], gflops / peak
             rows.append(
                 FormatRow(f, batch, round(step * 1e3, 2), round(batch / step, 2), round(cost.mb, 1), round(gbs, 2),
-                          round(share, 3), round(gflops, 1), round(busy, 3), "bytes" if share >= busy else "arithmetic",
+                          round(share, 3), round(floors[f][0] / step, 2) if batch == 1 and f in floors else None,
+                          round(gflops, 1), round(busy, 3), "bytes" if share >= busy else "arithmetic",
                           round(medians[("bf16", batch)] / step, 2))
             )  # fmt: skip
     b, fb = per_token["published"], token_bytes(flash, published=True)
@@ -353,7 +367,14 @@ def formats_bench(
     ]
     if decoding:
         notes.append(decoding)
+    if floors:
+        notes.append(floor_note({f: v[0] for f, v in floors.items()}, {f: v[1] for f, v in floors.items()}, cores))
     return rows, notes
+
+
+def _inputs_of_row(row: str, inputs: dict[str, str]) -> dict[str, str]:
+    """The fp4_inputs / fp8_inputs of a row's runner: the options asked for on the BF16_INPUTS row, float32 else."""
+    return inputs if row == BF16_INPUTS else FLOAT32_INPUTS
 
 
 def rows_of(inputs: dict[str, str] | None) -> tuple[str, ...]:
@@ -366,14 +387,15 @@ def profiled_row(inputs: dict[str, str] | None) -> str:
     return BF16_INPUTS if BF16_INPUTS in rows_of(inputs) else "published"
 
 
-def _profile(runner, prompt_len: int, rounds: int) -> list:
-    from leanserve.bench.profile import kernel_profile, profile_rows
+def _profile(runner, prompt_len: int, rounds: int) -> tuple[dict, int, float]:
+    """(the kernel profile's totals, the steps, the mean step in seconds) of `rounds` batch-1 steps."""
+    from leanserve.bench.profile import kernel_profile
 
     decoder = GreedyDecoder(runner, 1, prompt_len)
     decoder(), decoder()  # (warm-up)
     with kernel_profile() as totals:
         total = sum(decoder() for _ in range(rounds))
-    return profile_rows(totals, rounds, total / rounds)
+    return dict(totals), rounds, total / rounds
 
 
 def _mem_available() -> int | None:

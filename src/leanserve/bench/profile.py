@@ -31,6 +31,7 @@ class ProfileRow:
     share: float  # of the step
     mb: float | None  # weight bytes read per step
     gb_s: float | None
+    of_floor: float | None = None  # the floor of its reads (bench/floor.py) / ms
 
 
 PROFILE_HEADERS = {
@@ -40,6 +41,7 @@ PROFILE_HEADERS = {
     "share": "of step",
     "mb": "MB/step",
     "gb_s": "GB/s",
+    "of_floor": "of floor",
 }
 
 
@@ -61,20 +63,51 @@ def _expert_count(w) -> int:
 
 def moe_bytes(w) -> int:
     """A batch-1 token's MoE reads: the router, top_k of the routed experts, the shared expert."""
-    routed = weight_bytes(w.w13) + weight_bytes(w.w2)
-    shared = sum(weight_bytes(x) for x in (w.shared_w1, w.shared_w3, w.shared_w2) if x is not None)
-    return weight_bytes(w.gate) + routed * w.top_k // _expert_count(w.w13) + shared
+    return sum(moe_format_bytes(w).values())
+
+
+def moe_format_bytes(w) -> dict[str, int]:
+    """moe_bytes by format (format_bytes)."""
+    out = format_bytes(w.gate)
+    for x in (w.shared_w1, w.shared_w3, w.shared_w2):
+        if x is not None:
+            _add(out, format_bytes(x))
+    routed = {f: b * w.top_k // _expert_count(w.w13) for f, b in format_bytes(w.w13).items()}
+    _add(out, routed)
+    _add(out, {f: b * w.top_k // _expert_count(w.w2) for f, b in format_bytes(w.w2).items()})
+    return out
+
+
+def format_bytes(w) -> dict[str, int]:
+    """{the format name decode_rates gives its rate under (bench/floor.py): a weight's bytes as stored}."""
+    from leanserve.bench.floor import format_name
+    from leanserve.model.quant import Fp4Weight
+
+    if isinstance(w, np.ndarray | torch.Tensor):
+        return {array_format(w): weight_bytes(w)}
+    return {format_name("FP4" if isinstance(w, Fp4Weight) else "FP8", w.inputs): weight_bytes(w)}
+
+
+def array_format(a) -> str:
+    """A plain weight's format: bfloat16 (a tensor of it, or its bits as a numpy uint16 view), else float32."""
+    return "bfloat16" if a.dtype in (np.uint16, torch.bfloat16) else "float32"
+
+
+def _add(into: dict, more: dict) -> None:
+    for k, v in more.items():
+        into[k] = into.get(k, 0) + v
 
 
 @contextlib.contextmanager
 def kernel_profile():
     """Times the decode path's pieces while the block runs; yields the totals {name: [calls, seconds, bytes]}."""
+    from leanserve.bench.floor import format_name
     from leanserve.engine import runner
     from leanserve.model.backends.cpu import decode
     from leanserve.model.backends.cpu.backend import CpuBackend
     from leanserve.model.backends.cpu.kernels import quantized
 
-    totals: dict[str, list] = defaultdict(lambda: [0, 0.0, 0])
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0, 0, {}])
     patched = []
 
     def timed(owner, name: str, label, nbytes=None):
@@ -86,7 +119,10 @@ def kernel_profile():
             entry = totals[label(*args) if callable(label) else label]
             entry[0] += 1
             entry[1] += time.perf_counter() - start
-            entry[2] += nbytes(*args) if nbytes is not None else 0
+            if nbytes is not None:
+                by_format = nbytes(*args)
+                entry[2] += sum(by_format.values())
+                _add(entry[3], by_format)
             return out
 
         patched.append((owner, name, fn))
@@ -97,12 +133,18 @@ def kernel_profile():
         return f"linear {'+'.join(kinds)} [{x.shape[1]} -> {sum(self.widths)}]"
 
     def linear_bytes(self, x):  # (a call's arguments: tuples of weight arrays, and an FP8 call's input flag)
-        parts = [part for _, _, args, _ in self.calls for part in args if isinstance(part, tuple)]
-        return sum(weight_bytes(a) for part in parts for a in part)
+        out: dict[str, int] = {}
+        for kernel, _, args, _ in self.calls:
+            arrays = sum([weight_bytes(a) for part in args if isinstance(part, tuple) for a in part])
+            if kernel is quantized.linear_fp8:
+                _add(out, {format_name("FP8", torch.bfloat16 if args[2] else torch.float32): arrays})
+            else:
+                _add(out, {array_format(args[0][0]): arrays})
+        return out
 
     timed(quantized.Matmuls, "__call__", linear_label, linear_bytes)
-    timed(decode, "moe", "moe (router, experts, shared expert)", lambda p, x, ids: moe_bytes(p.w.moe))
-    timed(decode, "grouped_linear_arrays", "grouped linear (wo_a)", lambda x, w: weight_bytes(w))
+    timed(decode, "moe", "moe (router, experts, shared expert)", lambda p, x, ids: moe_format_bytes(p.w.moe))
+    timed(decode, "grouped_linear_arrays", "grouped linear (wo_a)", lambda x, w: format_bytes(w))
     timed(decode, "attend_arrays", "attention (window, compressed rows, indexer)")
     timed(decode, "compress_arrays", "compressors")
     timed(decode, "rms_norm_arrays", "rms norm")
@@ -121,16 +163,20 @@ def kernel_profile():
             setattr(owner, name, fn)
 
 
-def profile_rows(totals: dict, steps: int, step_seconds: float) -> list[ProfileRow]:
-    """Rows per kernel (slowest first), then what the step spent elsewhere, from `steps` steps of `step_seconds`."""
+def profile_rows(totals: dict, steps: int, step_seconds: float, floor=None) -> list[ProfileRow]:
+    """Rows per kernel (slowest first), then what the step spent elsewhere, from `steps` steps of `step_seconds`;
+    with `floor` (the least seconds reading {format: bytes} can take, floor.floor_seconds), each kernel's floor
+    for its reads over its time."""
     rows = []
-    for name, (calls, seconds, nbytes) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+    for name, (calls, seconds, nbytes, by_format) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
         ms = seconds / steps * 1e3
         mb = nbytes / steps / 1e6 if nbytes else None
         gb_s = round(nbytes / seconds / 1e9, 1) if nbytes else None
         share = round(ms / (step_seconds * 1e3), 3)
-        rows.append(ProfileRow(name, round(calls / steps, 1), round(ms, 3), share, mb and round(mb, 1), gb_s))
-    inside = sum(s for _, s, _ in totals.values()) / steps
+        of_floor = round(floor(by_format) / seconds, 2) if floor is not None and nbytes else None
+        rows.append(ProfileRow(name, round(calls / steps, 1), round(ms, 3), share, mb and round(mb, 1), gb_s,
+                               of_floor))  # fmt: skip
+    inside = sum(entry[1] for entry in totals.values()) / steps
     rows.append(ProfileRow("rest of the step", 0, round((step_seconds - inside) * 1e3, 3),
                            round(1 - inside / step_seconds, 3), None, None))  # fmt: skip
     return rows
@@ -142,8 +188,9 @@ IN_CACHE_BYTES = 1 << 20  # each format's weight in decode_rates: 1 MB, in a cor
 def decode_rates(repeats: int = 200) -> dict[str, float]:
     """GB/s at which one core reads each weight format at one row of x with the weight in its cache (L2): what the
     kernels' arithmetic allows, apart from memory. Each is a [rows x 4096] weight of IN_CACHE_BYTES through the
-    compiled rows kernel that the decode step's tasks call for it (FP4 experts, FP8 and bfloat16 linears), best of
-    `repeats` calls."""
+    compiled rows kernel that the decode step's tasks call for it (FP4 experts, FP8 and plain linears; FP4 and FP8
+    also with inputs rounded to bfloat16, floor.BF16_INPUTS), best of `repeats` calls."""
+    from leanserve.bench.floor import BF16_INPUTS
     from leanserve.model.backends.cpu.kernels.linear import _linear_rows_jit
     from leanserve.model.backends.cpu.kernels.quantized import _fp4_rows_jit, _fp8_rows_jit
     from leanserve.model.backends.cpu.views import numpy_views
@@ -152,23 +199,27 @@ def decode_rates(repeats: int = 200) -> dict[str, float]:
     width = 4096
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, width, generator=gen).numpy()
-    rows = {name: int(IN_CACHE_BYTES / size) // width for name, size in (("FP4", 0.5), ("FP8", 1), ("bfloat16", 2))}
+    sizes = (("FP4", 0.5), ("FP8", 1), ("bfloat16", 2), ("float32", 4))
+    rows = {name: int(IN_CACHE_BYTES / size) // width for name, size in sizes}
 
     def weight(name: str) -> torch.Tensor:
         return torch.randn(rows[name], width, generator=gen) * 0.02
 
     fp4, fp8 = numpy_views(quantize_fp4(weight("FP4"))), numpy_views(quantize_fp8(weight("FP8")))
     bf16 = numpy_views(weight("bfloat16").to(torch.bfloat16))  # (its bits, as uint16)
+    f32 = weight("float32").numpy()
     out = {name: np.empty((1, n), dtype=np.float32) for name, n in rows.items()}
-    runs = {
-        "FP4": (lambda: _fp4_rows_jit(x, fp4.packed, fp4.scale, out["FP4"], 1, False), weight_bytes(fp4)),
-        "FP8": (lambda: _fp8_rows_jit(x, fp8.q, fp8.scale, 0, out["FP8"], 1, False), weight_bytes(fp8)),
-        "bfloat16": (lambda: _linear_rows_jit(x, bf16, out["bfloat16"], 1), weight_bytes(bf16)),
-    }
+    runs = {}
+    for suffix, rounded in (("", False), (BF16_INPUTS, True)):
+        runs["FP4" + suffix] = (lambda r=rounded: _fp4_rows_jit(x, fp4.packed, fp4.scale, out["FP4"], 1, r), fp4)
+        runs["FP8" + suffix] = (lambda r=rounded: _fp8_rows_jit(x, fp8.q, fp8.scale, 0, out["FP8"], 1, r), fp8)
+    runs["bfloat16"] = (lambda: _linear_rows_jit(x, bf16, out["bfloat16"], 1), bf16)
+    runs["float32"] = (lambda: _linear_rows_jit(x, f32, out["float32"], 1), f32)
     rates = {}
-    for name, (fn, nbytes) in runs.items():
+    for name in ("FP4", "FP8", "bfloat16", "float32", "FP4" + BF16_INPUTS, "FP8" + BF16_INPUTS):
+        fn, w = runs[name]
         fn()  # (compiles, and brings the weight into cache)
-        rates[name] = nbytes / min(seconds(fn) for _ in range(repeats)) / 1e9
+        rates[name] = weight_bytes(w) / min(seconds(fn) for _ in range(repeats)) / 1e9
     return rates
 
 
