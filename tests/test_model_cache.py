@@ -271,6 +271,7 @@ def test_the_last_block_runs_its_moe_for_the_rows_whose_logits_are_wanted(tiny_c
     # A prompt's chunk with no logits wanted, then a chunk whose last row's are: the last block's MoE runs for those
     # rows alone (the others' keys still go into every cache), and the logits are those of a pass over every row.
     from leanserve.model.backends.cpu import decode
+    from leanserve.model.torch_math import attention as torch_attention
 
     model = load_lean(tiny_ckpt, backend=backend)
     ids, layers = ids_of(24, 5), model.cfg.num_hidden_layers
@@ -280,19 +281,28 @@ def test_the_last_block_runs_its_moe_for_the_rows_whose_logits_are_wanted(tiny_c
     monkeypatch.setattr(decode, "moe", lambda p, x, i, f=decode.moe: moe_rows.append(len(x)) or f(p, x, i))
     whole = []  # (the CPU backend's steps as numpy arrays, which chunks b and c are)
     monkeypatch.setattr(decode, "blocks", lambda *a, f=decode.blocks: whole.append(1) or f(*a))
+    projected = []  # (the rows through the torch statement's output projections, whose queries were made)
+    monkeypatch.setattr(torch_attention, "output", lambda o, w, x, f=torch_attention.output: projected.append(len(x))
+                        or f(o, w, x))  # fmt: skip
     results = {}
     for name, index in (("all", (None, None)), ("wanted", ([], [2]))):
-        run, moe_rows[:] = LeanRunner(model, 1, MAX_LEN, 2), []
+        run, moe_rows[:], projected[:] = LeanRunner(model, 1, MAX_LEN, 2), [], []
         with torch.no_grad():
             a = model(build_forward_batch([Chunk(0, 0, ids[:20])], run.geo, logits_index=index[0]), run.caches)
             b = model(build_forward_batch([Chunk(0, 20, ids[20:23])], run.geo, logits_index=index[1]), run.caches)
             c = model(build_forward_batch([Chunk(0, 23, ids[23:])], run.geo), run.caches)
-        results[name] = a, b, c, list(moe_rows)
-    a, b, c, rows = results["all"]
-    a2, b2, c2, rows2 = results["wanted"]
+        results[name] = a, b, c, list(moe_rows), list(projected)
+    a, b, c, rows, out_rows = results["all"]
+    a2, b2, c2, rows2, out_rows2 = results["wanted"]
     assert a2.shape[0] == 0 and b2.shape[0] == 1
     same = torch.equal if backend == "cpu" else lambda x, y: torch.allclose(x, y, rtol=0, atol=TOL)
     assert same(b2, b[2:]) and same(c2, c)
     assert rows == [20] * layers + [3] * layers + [1] * layers
     assert rows2 == [20] * (layers - 1) + [0] + [3] * (layers - 1) + [1] + [1] * layers
     assert len(whole) == (4 if backend == "cpu" else 0)
+    # The torch statement (every chunk on the torch backend, the first on the CPU one): the last block makes no
+    # queries and no output projection for rows whose output is not wanted, and none at all without such rows.
+    if backend == "torch":
+        assert out_rows == rows and out_rows2 == [20] * (layers - 1) + [3] * (layers - 1) + [1] + [1] * layers
+    else:
+        assert out_rows == [20] * layers and out_rows2 == [20] * (layers - 1)

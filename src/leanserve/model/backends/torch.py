@@ -80,8 +80,8 @@ class TorchBackend:
     def attend(self, w: AttentionWeights, q, ring, new_kv, fb: ForwardBatch, cache: LayerCache, iq, rope):
         return attention.attend(self, w, q, ring, new_kv, fb, cache, iq, rope)
 
-    def attention(self, w: AttentionWeights, x, fb: ForwardBatch, cache: LayerCache, ropes: dict) -> torch.Tensor:
-        return attention.attention(self, w, x, fb, cache, ropes)
+    def attention(self, w: AttentionWeights, x, fb: ForwardBatch, cache: LayerCache, ropes: dict, rows=None):
+        return attention.attention(self, w, x, fb, cache, ropes, rows)
 
     def moe(self, w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         return moe.moe(self, w, x, input_ids)

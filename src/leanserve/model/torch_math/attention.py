@@ -25,12 +25,21 @@ Rope = torch.Tensor  # complex RoPE factors at the step's positions, see torch_m
 
 
 def attention(
-    ops: TorchBackend, w: AttentionWeights, x: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes: dict
-) -> torch.Tensor:
-    """The layer over a step: x [T, hidden] (the block's normalised input) -> [T, hidden]."""
+    ops: TorchBackend, w: AttentionWeights, x: torch.Tensor, fb: ForwardBatch, cache: LayerCache, ropes: dict,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The layer over a step: x [T, hidden] (the block's normalised input) -> [T, hidden], or [len(rows), hidden]
+    at `rows`: every row's keys go into the caches, but only those rows' queries, indexer queries and output
+    projections are made (the others' queries are zeros, and what attention gives them is dropped; with no rows
+    the attention proper does not run)."""
     rope = ropes[w.rope_kind]
-    projected = ops.linears(x, w.inputs)
-    q_residual, q, kv = queries_kv(ops, w, projected[0], projected[1], rope)
+    if rows is None:
+        projected = ops.linears(x, w.inputs)
+        q_residual, q, kv = queries_kv(ops, w, projected[0], projected[1], rope)
+    else:  # (wq_a at the rows alone; the key and compressor inputs at every row)
+        asked = ops.linears(x[rows], w.inputs[:1])[0] if len(rows) else None
+        projected = (asked, *ops.linears(x, w.inputs[1:]))
+        q_residual, q, kv = queries_kv(ops, w, asked, projected[1], rope, rows)
 
     # Window keys come from the ring (earlier steps) and this step's rows; see model/batch.py.
     ring = cache.window_kv.view(-1, w.head_dim)
@@ -45,21 +54,39 @@ def attention(
         idx = w.indexer
         if idx is not None:
             ops.compress(idx.compressor, *projected[4:6], meta, cache.idx_kv, cache.idx_gate, cache.idx_rows, row_rope)
-            if any(g.max_visible[w.layer_type] > idx.topk for g in fb.groups):
-                iq = index_queries(ops, idx, q_residual, projected[6], rope)
+            if q is not None and any(g.max_visible[w.layer_type] > idx.topk for g in fb.groups):
+                head_w = projected[6] if rows is None else projected[6][rows]
+                iq = index_queries(ops, idx, q_residual, head_w, rope if rows is None else rope[rows])
+                iq = iq if rows is None else tuple([_at_rows(t, rows, x.shape[0]) for t in iq])
     new_kv = None if fb.window_write_first else kv.to(ring.dtype)
-    out = ops.attend(w, q, ring, new_kv, fb, cache, iq, rope)
+    out = None if q is None else ops.attend(w, q, ring, new_kv, fb, cache, iq, rope)
     if not fb.window_write_first:
         ring.index_copy_(0, write.dst, kv[write.src].to(ring.dtype))
-    return output(ops, w, out)
+    if out is None:
+        return x.new_empty((0, x.shape[1]))
+    return output(ops, w, out if rows is None else out[rows])
 
 
-def queries_kv(ops: TorchBackend, w: AttentionWeights, q_in: torch.Tensor, kv_in: torch.Tensor, rope: Rope):
+def queries_kv(
+    ops: TorchBackend, w: AttentionWeights, q_in: torch.Tensor | None, kv_in: torch.Tensor, rope: Rope, rows=None
+):  # fmt: skip
     """From wq_a(x) and wkv(x) [T, ...]: (q_residual [T, q_lora_rank], the queries [T, H, D]: wq_b, the
-    per-head norm and RoPE, the key/value [T, D]: its norm and RoPE)."""
+    per-head norm and RoPE, the key/value [T, D]: its norm and RoPE). With `rows`, q_in is wq_a(x) at those rows
+    alone: q_residual is theirs, the queries are theirs among zeros, and with no rows both are None."""
+    kv = ops.norm_rope(kv_in, rope, w.eps, w.kv_norm)
+    if q_in is None:
+        return None, None, kv
     q_residual = ops.rms_norm(q_in, w.q_eps, w.q_norm)
     q = ops.linears(q_residual, (w.wq_b,))[0].view(q_in.shape[0], w.heads, w.head_dim)
-    return q_residual, ops.norm_rope(q, rope, w.eps), ops.norm_rope(kv_in, rope, w.eps, w.kv_norm)
+    q = ops.norm_rope(q, rope if rows is None else rope[rows], w.eps)
+    return q_residual, q if rows is None else _at_rows(q, rows, kv_in.shape[0]), kv
+
+
+def _at_rows(t: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """[len(rows), ...] -> [n, ...]: t at `rows`, zeros elsewhere."""
+    out = t.new_zeros((n, *t.shape[1:]))
+    out[rows] = t
+    return out
 
 
 def output(ops: TorchBackend, w: AttentionWeights, out: torch.Tensor) -> torch.Tensor:

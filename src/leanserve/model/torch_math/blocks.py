@@ -66,13 +66,14 @@ def block(
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One block: mHC around the attention, then mHC around the MoE. streams [T, hc, hidden]. `rows` (None: all
-    T): the rows whose output is wanted, [len(rows), hc, hidden]; the others go through the attention only, which
-    puts their keys in the cache (the MTP layer's catch-up, whose last position alone drafts)."""
+    T): the rows whose output is wanted, [len(rows), hc, hidden]; the others go through the attention only as far
+    as their keys, which go into the cache (the MTP layer's catch-up, whose last position alone drafts; a prompt's
+    rows before its last in the last block)."""
     x, post, comb = ops.hc_pre(streams, w.attn_mix)
-    streams = ops.hc_post(ops.attention(w.attn, x, fb, cache, step_ropes), streams, post, comb)
-    ids = fb.input_ids
+    out, ids = ops.attention(w.attn, x, fb, cache, step_ropes, rows), fb.input_ids
     if rows is not None:
-        streams, ids = streams[rows], ids[rows]
+        streams, post, comb, ids = streams[rows], post[rows], comb[rows], ids[rows]
+    streams = ops.hc_post(out, streams, post, comb)
     x, post, comb = ops.hc_pre(streams, w.ffn_mix)
     return ops.hc_post(ops.moe(w.moe, x, ids), streams, post, comb)
 
