@@ -289,7 +289,7 @@ def formats_bench(
     reads = BANDWIDTH_REPEATS
     peaks = [kernel_peak_gflops()]
     medians: dict[tuple[str, int], float] = {}
-    runners = {}
+    runners, profiled_steps = {}, None  # (the profiled row's kernel totals, steps and mean step: _profile)
     for group in [formats] if together else [(f,) for f in formats]:  # all loaded, or one after the other
         runners = {f: stage_runner(dirs[f], max(batch_sizes), max_len, **_inputs_of_row(f, inputs)) for f in group}
         for batch in batch_sizes:
@@ -324,10 +324,9 @@ def formats_bench(
             floor_seconds(by_format, bw["machine"], cores, rates),
             sum(by_format.values()) / bw["machine"] / 1e9,
         )
-    if profile is not None and rates:
-        profile += profile_rows(*profiled_steps, lambda b: floor_seconds(b, bw["machine"], cores, rates))
-    elif profile is not None:
-        profile += profile_rows(*profiled_steps)
+    if profiled_steps is not None:
+        floor = (lambda b: floor_seconds(b, bw["machine"], cores, rates)) if rates else None
+        profile += profile_rows(*profiled_steps, floor)
     rows = []
     for batch in batch_sizes:
         for f in ("published", *formats[2:], "bf16"):
