@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from leanserve.bench.formats import memory_bandwidth
+from leanserve.bench.host import memory_bandwidth
 from leanserve.model.backends.cpu import arrays
 from leanserve.model.backends.cpu import kernels as ck
 from leanserve.model.backends.cpu.views import numpy_views

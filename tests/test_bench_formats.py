@@ -91,7 +91,8 @@ def test_the_kernel_profile_counts_fp8_linears_bytes(tmp_path, fp8_inputs):
     """A published model's FP8 linears (their calls carry the inputs flag too): each profiled linear's bytes are
     its weights' values and scales."""
     from leanserve import LLM, SamplingParams
-    from leanserve.bench.profile import kernel_profile, weight_bytes
+    from leanserve.bench.host import weight_bytes
+    from leanserve.bench.profile import kernel_profile
     from leanserve.make_random import make_random
 
     path = make_random(tmp_path, "tiny", 1, format="published")
@@ -146,7 +147,7 @@ def test_a_batch_decodes_different_prompts_and_slot_0_the_peers():
 def test_the_decode_note_names_the_formats_a_core_decodes_slower_than_its_share_of_the_read():
     """`bench formats`' note on the in-cache decode rates: a format one core decodes slower than its share of the
     machine's read is named as bound by arithmetic; the rates are printed as measured."""
-    from leanserve.bench.profile import decode_note
+    from leanserve.bench.host import decode_note
 
     note = decode_note({"FP4": 14.04, "FP8": 17.5, "bfloat16": 40.0}, 16.9)
     assert "(16.9 GB/s): FP4 14.0 GB/s (0.83x), FP8 17.5 GB/s (1.04x), bfloat16 40.0 GB/s (2.37x)" in note
@@ -159,7 +160,7 @@ def test_decode_rates_time_each_weight_format_through_its_kernel():
     """One rate per weight format the decode step reads, each from a weight of IN_CACHE_BYTES (values and scales)
     that went through the kernel: finite and positive."""
     pytest.importorskip("numba")
-    from leanserve.bench.profile import decode_rates
+    from leanserve.bench.host import decode_rates
 
     rates = decode_rates(repeats=2)
     assert list(rates) == ["FP4", "FP8", "bfloat16", "float32", "FP4, bfloat16 inputs", "FP8, bfloat16 inputs"]
@@ -174,10 +175,10 @@ def _routed_fp4_bytes(cfg) -> int:
 
 
 def test_a_tokens_bytes_by_format_add_up_to_its_bytes():
-    """bench/floor.py's accounting: a published token's bytes split into FP4 (the routed experts), FP8 (the FP8
+    """bench/host.py's accounting: a published token's bytes split into FP4 (the routed experts), FP8 (the FP8
     linears, scales included), bfloat16 and float32, adding up to token_bytes; the bf16 checkpoint's have no FP4
     or FP8, and bfloat16 inputs rename the quantized formats."""
-    from leanserve.bench.floor import token_format_bytes
+    from leanserve.bench.host import token_format_bytes
 
     cfg = preset_config("tiny")
     published, plain = token_format_bytes(cfg, True), token_format_bytes(cfg, False)
@@ -194,7 +195,7 @@ def test_a_tokens_bytes_by_format_add_up_to_its_bytes():
 
 
 def test_the_floor_reads_each_format_at_the_slower_of_the_read_and_its_cores_decode():
-    from leanserve.bench.floor import floor_note, floor_seconds
+    from leanserve.bench.host import floor_note, floor_seconds
 
     rates = {"FP4": 2.0, "bfloat16": 50.0}  # (GB/s, one core)
     # FP4: 2 cores decode 4 GB/s, slower than the 10 GB/s read; bfloat16 at the read; "other" has no rate: the read

@@ -22,15 +22,25 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from leanserve.bench import peer
 from leanserve.bench.common import GreedyDecoder, print_rows, stage_runner
-from leanserve.bench.floor import floor_note, floor_seconds, token_format_bytes
+from leanserve.bench.host import (
+    BANDWIDTH_REPEATS,
+    cores,
+    decode_note,
+    decode_rates,
+    floor_note,
+    floor_seconds,
+    kernel_peak_gflops,
+    memory_bandwidth,
+    numba,
+    token_format_bytes,
+)
 from leanserve.bench.options import FLOAT32_INPUTS, add_inputs, add_output, add_threads, inputs_of, int_list
 from leanserve.bench.peer import PEERS
-from leanserve.bench.profile import PROFILE_HEADERS, decode_note, decode_rates, profile_rows, seconds
+from leanserve.bench.profile import PROFILE_HEADERS, profile_rows
 from leanserve.model.config import CSA, HCA, MOE, ModelConfig
 
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v4-flash.json"
@@ -48,7 +58,7 @@ class FormatRow:
     mb_per_step: float  # the weight bytes a step reads (StepCost)
     gb_s: float  # mb_per_step / the step's time
     of_bandwidth: float  # gb_s / the measured memory bandwidth
-    of_floor: float | None  # batch 1: the host's floor for the step's reads (bench/floor.py) / the step's time
+    of_floor: float | None  # batch 1: the host's floor for the step's reads (host.floor_seconds) / the step's time
     gflop_s: float  # the model's float32 arithmetic (StepCost) / the step's time
     of_compute: float  # gflop_s / the kernels' measured float32 peak
     bound: str  # the nearer limit: "bytes" or "arithmetic"
@@ -127,18 +137,6 @@ def step_cost(cfg: ModelConfig, published: bool, batch: int) -> StepCost:
     return StepCost(nbytes / 1e6, 2 * weights * batch / 1e9)
 
 
-def kernel_peak_gflops(rows: int = 64, width: int = 4096, repeats: int = 5) -> float:
-    """The CPU kernels' float32 arithmetic rate on a shape bound by it: `rows` rows through a width x width float32
-    linear (the weight stays in cache between the rows' passes), best of `repeats`, in GFLOP/s."""
-    from leanserve.model.backends.cpu import kernels as ck
-
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((rows, width), dtype=np.float32)
-    w = rng.standard_normal((width, width), dtype=np.float32)
-    ck.matmuls(x, (w,))
-    return 2 * rows * width * width / min(seconds(lambda: ck.matmuls(x, (w,))) for _ in range(repeats)) / 1e9
-
-
 def head_share(cfg: ModelConfig) -> float:
     """The head's share of a decode token's weight bytes in the published format."""
     b = token_bytes(cfg, published=True)
@@ -207,48 +205,7 @@ def make_checkpoints(root: Path, cfg: ModelConfig, seed: int = 0, log=print) -> 
     return dirs
 
 
-def _read_sum(a, parts):  # pragma: no cover - compiled: a's sum, as `parts` slices (spread over numba's threads)
-    out = np.zeros(parts, dtype=np.float32)
-    step = a.shape[0] // parts
-    for p in _prange(parts):
-        part = a[p * step : (p + 1) * step]
-        s = np.float32(0.0)
-        for i in range(part.shape[0]):  # (vectorised: a read at full speed, unlike numpy's pairwise sum)
-            s += part[i]
-        out[p] = s
-    return out.sum()
-
-
-try:
-    import numba
-
-    from leanserve.model.backends.cpu.kernels import _jit
-    from leanserve.model.backends.cpu.kernels import threads as kernel_threads
-
-    _prange = numba.prange
-    _read_sum_one, _read_sum_par = _jit(_read_sum), _jit(_read_sum, parallel=True)
-except ImportError:  # pragma: no cover
-    numba = None
-
-
-BANDWIDTH_REPEATS = 9  # reads of each kind before and after a batch size's timings
-PROBE_EVERY, PROBE_REPEATS = 5, 3  # and among them: every 5 rounds, 3 reads of each kind
-
-
-def memory_bandwidth(gib: float = 1.0, repeats: int = BANDWIDTH_REPEATS) -> dict[str, float]:
-    """Read bandwidth in GB/s over a `gib` GiB float32 array, best of `repeats`: numpy's sum (one thread; it is
-    bound by its pairwise summation, not by memory), a vectorised sum on one thread and one spread over all of
-    numba's threads; "machine": the largest."""
-    a = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
-    runs = {"numpy sum, 1 thread": a.sum}
-    if numba is not None:
-        threads = numba.get_num_threads()
-        _read_sum_one(a[:1024], 1), _read_sum_par(a[:1024], 8)
-        runs["vectorised sum, 1 thread"] = lambda: _read_sum_one(a, 1)
-        runs[f"vectorised sum, {threads} threads"] = lambda: _read_sum_par(a, 64)
-    out = {name: a.nbytes / min(seconds(fn) for _ in range(repeats)) / 1e9 for name, fn in runs.items()}
-    out["machine"] = max(out.values())
-    return out
+PROBE_EVERY, PROBE_REPEATS = 5, 3  # among a batch size's timings: every 5 rounds, 3 reads of each kind
 
 
 def formats_bench(
@@ -313,19 +270,18 @@ def formats_bench(
         del runners
     bw = {k: max(b[k] for b in bws) for k in bws[0]}
     peak = max(peaks)
-    rates = decode_rates() if numba is not None else None
-    cores = kernel_threads() if numba is not None else 1
-    decoding = decode_note(rates, bw["machine"] / cores) if rates else None
+    rates, threads = decode_rates() if numba is not None else None, cores()
+    decoding = decode_note(rates, bw["machine"] / threads) if rates else None
     per_token = {f: token_bytes(cfg, published=f == "published") for f in FORMATS}
     floors = {}  # (row -> the floor of a batch-1 step, and its reads at the machine's read alone)
     for f in formats if rates else ():
         by_format = token_format_bytes(cfg, f != "bf16", **_inputs_of_row(f, inputs))
         floors[f] = (
-            floor_seconds(by_format, bw["machine"], cores, rates),
+            floor_seconds(by_format, bw["machine"], threads, rates),
             sum(by_format.values()) / bw["machine"] / 1e9,
         )
     if profiled_steps is not None:
-        floor = (lambda b: floor_seconds(b, bw["machine"], cores, rates)) if rates else None
+        floor = (lambda b: floor_seconds(b, bw["machine"], threads, rates)) if rates else None
         profile += profile_rows(*profiled_steps, floor)
     rows = []
     for batch in batch_sizes:
@@ -367,7 +323,7 @@ def formats_bench(
     if decoding:
         notes.append(decoding)
     if floors:
-        notes.append(floor_note({f: v[0] for f, v in floors.items()}, {f: v[1] for f, v in floors.items()}, cores))
+        notes.append(floor_note({f: v[0] for f, v in floors.items()}, {f: v[1] for f, v in floors.items()}, threads))
     return rows, notes
 
 
