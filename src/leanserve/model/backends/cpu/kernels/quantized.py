@@ -245,10 +245,12 @@ if numba is not None:
     # straight into float32 bits (on Zen 4 in cache 0.76-0.93x the time of the float16 decode at one to sixteen rows
     # of x), as on x86 cores without F16C (from before 2012). With AVX-512's 32 vector registers, four weight rows
     # at a time for two rows of x, three for three or four (against two: the published step 0.98x at batch 3 and 4),
-    # two for more, in passes of four (three: 1.05x at batch 8); with AVX2's 16 the several rows' sums spill, so
-    # there one weight row at a time (one core of a Zen 3 EPYC, [4096 x 4096] from memory, against the AVX-512
-    # widths: 1.03-1.15x as fast at two rows of x, 1.35x at four, 1.4-1.8x at eight)
-    _WIDE = [4, 3, 3, 2] if _AVX512 else [1, 1, 1, 1]  # (weight rows at a time at 2, 3, 4 and 5-16 rows of x)
+    # two for more, in passes of four (three: 1.05x at batch 8, through float16), but three on Zen 4 cores, whose
+    # raw decode makes one vector a load instead of two (one core in L2 at eight and sixteen rows of x: 106 against
+    # 94-95 GFLOP/s; the Flash-shaped published step at batch 8 0.96x, its verification 0.975x); with AVX2's 16 the
+    # several rows' sums spill, so there one weight row at a time (one core of a Zen 3 EPYC, [4096 x 4096] from
+    # memory, against the AVX-512 widths: 1.03-1.15x as fast at two rows of x, 1.35x at four, 1.4-1.8x at eight)
+    _WIDE = [4, 3, 3, 3 if _HOST_CPU == "znver4" else 2] if _AVX512 else [1, 1, 1, 1]  # (at 2, 3, 4, 5-16 rows)
     _HALF = _F16C and not _SUBNORMALS_CHEAP
     _REBASE = HALF_REBASE if _HALF else RAW_REBASE
     # one row of x, a weight row at a time (_FP8_1), decoded as at more rows; but on Zen 4 cores through float16
