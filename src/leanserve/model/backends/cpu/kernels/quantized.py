@@ -304,9 +304,12 @@ SHORT_FP8_ROW = 2048
 # one at a time all the same, through the float16 decode: [4096 x 8192] from memory on two threads 27.0-27.2 GB/s
 # against 25.1-25.7 four rows at a time (two runs, Intel, 2026-12-06).
 X_IN_L1 = 16384  # bytes
-# FP8 weights meet up to this many rows of x rounded to bfloat16 in the row dots (the MTP layer's h_proj takes its
-# four mHC streams per token: eight rows after an accepted draft). More take the dequantized blocks and tiles.
-FEW_BF16_ROWS = 8
+# FP8 weights meet up to this many rows of x rounded to bfloat16 in the bfloat16 row dots (the MTP layer's h_proj
+# takes its four mHC streams per token: eight rows after an accepted draft). More take the float32 row dots with x
+# rounded (the same products, summed in another order), then the dequantized blocks and tiles. On Zen 4 cores the
+# float32 row dots are the faster from four rows of x (one core in L2, [256 x 4096]: 0.92x the time at four rows,
+# 0.71-0.75x at five to eight; the same at two and three, 0.86x the other way at one).
+FEW_BF16_ROWS = 3 if _HOST_CPU == "znver4" else 8
 # FP8 weights meet up to this many rows of float32 x (or x rounded to bfloat16 beyond FEW_BF16_ROWS) in the row dots,
 # four at a time: each row's sums the same bits at any count (batch invariance). More take the dequantized blocks
 # and tiles.
