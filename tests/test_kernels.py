@@ -188,6 +188,21 @@ def test_moe_of_large_experts_in_a_prefill_matches_torch(kind, monkeypatch):
     assert moe.experts.w13_entries > cpu_backend.SMALL_EXPERT
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_large_experts_stored_narrower_than_float32_take_the_kernels_in_a_prefill(weight_dtype, monkeypatch):
+    # Experts above SMALL_EXPERT stored in bfloat16 (or FP8 / FP4), which torch's path would widen or dequantize
+    # whole first, run as one compiled call at any number of rows; float32 ones take torch's grouped matmuls from
+    # FEW_ROWS rows on.
+    from leanserve.model.backends.cpu import arrays
+    from leanserve.model.backends.cpu import backend as cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "SMALL_EXPERT", 0)
+    calls = []
+    monkeypatch.setattr(arrays, "moe_arrays", lambda *a, f=arrays.moe_arrays: calls.append(len(a[0])) or f(*a))
+    _check_moe("moe", "sqrtsoftplus", weight_dtype, 300)
+    assert calls == ([300] if weight_dtype == torch.bfloat16 else [])
+
+
 def _check_moe(kind, scoring, weight_dtype, tokens):
     from dataclasses import replace
 

@@ -175,7 +175,7 @@ def _moe_task(e, x, counts, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_
               bf16, shared_bf16, ys, shared_out, rows, both, act):  # fmt: skip
     # (compiled) one of moe_tokens' tasks, writing only its own rows: expert e's tokens (the routed experts'
     # outputs to ys, one row per (token, k) pair), or for e >= the number of experts a part of the shared expert's
-    # intermediate rows for every token (to shared_out[part]); rows, both, act: the part's scratch
+    # intermediate rows for every token (to shared_out[part]); rows, both, act: the part's scratch, from row 0
     n, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     if e >= num_experts:
@@ -192,14 +192,15 @@ def _moe_task(e, x, counts, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_
         _matrix_rows(gates, sw2, sw2_s, shared_out[c], n, 0, i0, shared_bf16)
         return
     first, last = counts[e], counts[e + 1]
-    for r in range(first, last):
+    count = last - first
+    for r in range(count):
         for k in range(hidden):
-            rows[r, k] = x[token_of[r], k]
-    _expert_rows(rows[first:last], w13, w13_s, e, both[first:last], last - first, bf16)
-    for r in range(first, last):
+            rows[r, k] = x[token_of[first + r], k]
+    _expert_rows(rows[:count], w13, w13_s, e, both[:count], count, bf16)
+    for r in range(count):
         for i in range(inter):
-            act[r, i] = _silu_glu_jit(both[r, i], both[r, inter + i], limit) * weight_of[r]
-    _expert_rows(act[first:last], w2, w2_s, e, ys[first:last], last - first, bf16)
+            act[r, i] = _silu_glu_jit(both[r, i], both[r, inter + i], limit) * weight_of[first + r]
+    _expert_rows(act[:count], w2, w2_s, e, ys[first:last], count, bf16)
 
 
 _moe_task_jit = _inlined(_moe_task)
@@ -210,10 +211,13 @@ def _moe_experts(x, counts, tasks, claimed, token_of, weight_of, w13, w13_s, w2,
     # (compiled) moe_tokens' tasks (_moe_task), in `tasks`' order (moe_route): for one token, this part's equal
     # share of them; for more, each part takes the next task not yet taken (base._claim on `claimed`, zero before
     # the call) until none is left
-    pairs, hidden, inter = token_of.shape[0], x.shape[1], w13.shape[1] // 2
-    rows = _empty64_f32(pairs, hidden)  # (the experts' inputs, on 64 bytes: base._empty64_f32)
-    both = np.empty((pairs, 2 * inter), dtype=np.float32)
-    act = _empty64_f32(pairs, inter)
+    hidden, inter = x.shape[1], w13.shape[1] // 2
+    most = 0  # (the most tokens an expert has: this part's scratch holds one task's rows at a time)
+    for e in range(w13.shape[0]):
+        most = max(most, counts[e + 1] - counts[e])
+    rows = _empty64_f32(most, hidden)  # (the experts' inputs, on 64 bytes: base._empty64_f32)
+    both = np.empty((most, 2 * inter), dtype=np.float32)
+    act = _empty64_f32(most, inter)
     shares = parts == 1 or _in_shares_jit(x.shape[0])
     job, end = _share_jit(tasks.shape[0], part, parts) if shares else (_claim(claimed), tasks.shape[0])
     while job < end:
