@@ -506,14 +506,15 @@ def test_fp8_few_rows_match_the_dequantized_weight(rows, big_scale, in_features,
     assert ((torch.from_numpy(out).double() - ref).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 17, 64, 70])
+@pytest.mark.parametrize("rows", [1, 5, 17, 64, 70, 600])
 @pytest.mark.parametrize(("out_features", "in_features"), [(256, 384), (300, 200), (41, 64), (64, 1152)])
 def test_fp8_linear_matches_torch(rows, out_features, in_features):
     # FP8 weights are dequantized in registers: the same sums as the float32 kernel on the dequantized weight
     # (exactly, but for one to sixteen rows), and torch's matmul on it up to float32 summation order. One call may
-    # mix FP8 and plain weights.
-    # (70 rows of 1152 inputs, more than NARROW_INPUT: a V4-sized prefill's, torch matmuls on each weight
-    # dequantized alone.)
+    # mix FP8 and plain weights. (600 rows of 1152 inputs, more than FP8_ROWS and NARROW_INPUT: a V4-sized
+    # prefill's, torch matmuls on each weight dequantized alone, the same sums as torch's on the dequantized one.)
+    from leanserve.model.backends.cpu import kernels as ck
+    from leanserve.model.backends.cpu.backend import FP8_ROWS, NARROW_INPUT
     from leanserve.model.backends.cpu.kernels.quantized import FEW_FP8_ROWS
     from leanserve.model.quant import dense, quantize_fp8
 
@@ -525,7 +526,11 @@ def test_fp8_linear_matches_torch(rows, out_features, in_features):
     fast, ref = _both("linears", x, (w, plain, w2))
     for a, b in zip(fast, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
-    same = _cpu().linears(x, (dense(w, torch.float32),))[0]
+    dense_w = dense(w, torch.float32)
+    if rows <= FP8_ROWS or in_features <= NARROW_INPUT:  # (the float32 kernels on the dequantized weight)
+        same = torch.from_numpy(ck.matmuls(x.numpy(), (dense_w.numpy(),))[0])
+    else:
+        same = torch.nn.functional.linear(x, dense_w)
     if rows <= FEW_FP8_ROWS:  # (the row dots, x times each block's scale; float32 summation order)
         torch.testing.assert_close(fast[0], same, rtol=1e-5, atol=1e-5)
     else:

@@ -25,6 +25,11 @@ from leanserve.model.weights import MixWeights
 # overhead; above it, torch's blocked matmuls (the MoE's over tokens grouped by expert), unless the inputs are
 # narrow (NARROW_INPUT) or the experts small (SMALL_EXPERT).
 FEW_ROWS = 64
+# Linears with FP8 weights run as compiled loops up to this many rows: torch's matmuls need each weight dequantized
+# whole first, which costs more than the kernels' L1-sized dequantized blocks up to about a thousand rows (the
+# Flash-shaped published model's prefill: 0.87x the time at 256 tokens, 0.94x at 512; with every linear in the
+# kernels 1.01x at 1024 and 1.07x at 2048; 2-core AMD EPYC, 2026-12-07).
+FP8_ROWS = 512
 # Linears (and grouped linears) of at most this many inputs run as compiled loops at any number of rows: the
 # kernels' register tiles beat torch's matmuls up to about this width, bfloat16 weights included, and lose at
 # V4's widths (4096 inputs).
@@ -55,9 +60,11 @@ def _activations(*tensors: torch.Tensor | None, strided: tuple[torch.Tensor, ...
     return not any(t.dtype is not _F32 or not t.is_cpu or t.requires_grad for t in strided)
 
 
-def _compiled_linear(rows: int, inputs: int) -> bool:
-    """Whether a (grouped) linear of this many rows and inputs runs as compiled loops (FEW_ROWS, NARROW_INPUT)."""
-    return rows <= FEW_ROWS or inputs <= NARROW_INPUT
+def _compiled_linear(rows: int, inputs: int, weights: tuple = ()) -> bool:
+    """Whether a (grouped) linear of this many rows and inputs runs as compiled loops (FEW_ROWS, NARROW_INPUT; with
+    an FP8 weight among `weights`, FP8_ROWS)."""
+    fp8 = any(isinstance(w, Fp8Weight) for w in weights)
+    return rows <= (FP8_ROWS if fp8 else FEW_ROWS) or inputs <= NARROW_INPUT
 
 
 def _plain(t) -> bool:
@@ -130,7 +137,7 @@ class CpuBackend(TorchBackend):
     # --- small ops ------------------------------------------------------------------------------------
     def linears(self, x, weights):
         rows = x.numel() // x.shape[-1]
-        if _compiled_linear(rows, x.shape[-1]) and _activations(x) and _linear_weights(weights):
+        if _compiled_linear(rows, x.shape[-1], weights) and _activations(x) and _linear_weights(weights):
             flat = x.view(rows, x.shape[-1]).numpy()
             if len(weights) == 1 and isinstance(weights[0], torch.nn.Parameter):  # (a module's plain weight, e.g.
                 # the head's: its views and kernel calls kept with it, as long as it lives)
@@ -145,7 +152,11 @@ class CpuBackend(TorchBackend):
         return super().linears(x, weights)
 
     def grouped_linear(self, x, weight):
-        if _compiled_linear(x.shape[0], x.shape[-1]) and _activations(x) and _weights((weight,), (Fp8Weight,)):
+        if (
+            _compiled_linear(x.shape[0], x.shape[-1], (weight,))
+            and _activations(x)
+            and _weights((weight,), (Fp8Weight,))
+        ):
             w = numpy_views(weight)
             w = w if isinstance(w, Fp8Weight) else w.reshape(x.shape[1], -1, x.shape[2])
             return torch.from_numpy(arrays.grouped_linear_arrays(x.numpy(), w))
