@@ -1,4 +1,4 @@
-"""The whole MoE of a decode-sized batch in three steps: routing (scores, top-k or hash); each expert's tokens through
+"""The whole MoE of a step's tokens in three steps: routing (scores, top-k or hash); each expert's tokens through
 its SwiGLU (its weights read once, as stored) and the shared expert's halves, spread over the cores; their sum."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ _silu_glu_jit = _jit(_silu_glu)
 
 def moe_tokens(work, x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13, w13_s, w2, w2_s, sw1, sw1_s,
                sw3, sw3_s, sw2, sw2_s, limit, bf16, shared_bf16, out):  # fmt: skip
-    """The whole MoE for a decode-sized batch: per token, router scores (0 = sqrt(softplus), 1 = sigmoid, 2 =
+    """The whole MoE for a step's tokens: per token, router scores (0 = sqrt(softplus), 1 = sigmoid, 2 =
     softmax) and top-k by score + bias (or the hash table when tid2eid is not empty), weights normalised and times
     route_scale (moe_route); then per expert, its tokens through its SwiGLU (each expert's weights read once), and
     the shared expert over all tokens, spread over the cores (moe_experts); their outputs added (moe_combine).
