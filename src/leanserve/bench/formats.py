@@ -273,13 +273,11 @@ def formats_bench(
     rates, threads = decode_rates() if numba is not None else None, cores()
     decoding = decode_note(rates, bw["machine"] / threads) if rates else None
     per_token = {f: token_bytes(cfg, published=f == "published") for f in FORMATS}
-    floors = {}  # (row -> the floor of a batch-1 step, and its reads at the machine's read alone)
+    floors, read_alone = {}, {}  # (row -> the floor of a batch-1 step; its reads at the machine's read alone)
     for f in formats if rates else ():
         by_format = token_format_bytes(cfg, f != "bf16", **_inputs_of_row(f, inputs))
-        floors[f] = (
-            floor_seconds(by_format, bw["machine"], threads, rates),
-            sum(by_format.values()) / bw["machine"] / 1e9,
-        )
+        floors[f] = floor_seconds(by_format, bw["machine"], threads, rates)
+        read_alone[f] = sum(by_format.values()) / bw["machine"] / 1e9
     if profiled_steps is not None:
         floor = (lambda b: floor_seconds(b, bw["machine"], threads, rates)) if rates else None
         profile += profile_rows(*profiled_steps, floor)
@@ -292,7 +290,7 @@ def formats_bench(
             share, busy = gbs / bw["machine"], gflops / peak
             rows.append(
                 FormatRow(f, batch, round(step * 1e3, 2), round(batch / step, 2), round(cost.mb, 1), round(gbs, 2),
-                          round(share, 3), round(floors[f][0] / step, 2) if batch == 1 and f in floors else None,
+                          round(share, 3), round(floors[f] / step, 2) if batch == 1 and f in floors else None,
                           round(gflops, 1), round(busy, 3), "bytes" if share >= busy else "arithmetic",
                           round(medians[("bf16", batch)] / step, 2))
             )  # fmt: skip
@@ -323,7 +321,7 @@ def formats_bench(
     if decoding:
         notes.append(decoding)
     if floors:
-        notes.append(floor_note({f: v[0] for f, v in floors.items()}, {f: v[1] for f, v in floors.items()}, threads))
+        notes.append(floor_note(floors, read_alone, threads))
     return rows, notes
 
 

@@ -57,7 +57,7 @@ def attention(
             if q is not None and any(g.max_visible[w.layer_type] > idx.topk for g in fb.groups):
                 head_w = projected[6] if rows is None else projected[6][rows]
                 iq = index_queries(ops, idx, q_residual, head_w, rope if rows is None else rope[rows])
-                iq = iq if rows is None else tuple([_at_rows(t, rows, x.shape[0]) for t in iq])
+                iq = tuple([_every_row(t, rows, x.shape[0]) for t in iq])
     new_kv = None if fb.window_write_first else kv.to(ring.dtype)
     out = None if q is None else ops.attend(w, q, ring, new_kv, fb, cache, iq, rope)
     if not fb.window_write_first:
@@ -79,11 +79,14 @@ def queries_kv(
     q_residual = ops.rms_norm(q_in, w.q_eps, w.q_norm)
     q = ops.linears(q_residual, (w.wq_b,))[0].view(q_in.shape[0], w.heads, w.head_dim)
     q = ops.norm_rope(q, rope if rows is None else rope[rows], w.eps)
-    return q_residual, q if rows is None else _at_rows(q, rows, kv_in.shape[0]), kv
+    return q_residual, _every_row(q, rows, kv_in.shape[0]), kv
 
 
-def _at_rows(t: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
-    """[len(rows), ...] -> [n, ...]: t at `rows`, zeros elsewhere."""
+def _every_row(t: torch.Tensor, rows: torch.Tensor | None, n: int) -> torch.Tensor:
+    """`t` [len(rows), ...] as [n, ...]: its rows at `rows`, zeros elsewhere (`rows` None: `t` as it is; the CPU
+    decode path's decode._every_row)."""
+    if rows is None:
+        return t
     out = t.new_zeros((n, *t.shape[1:]))
     out[rows] = t
     return out
