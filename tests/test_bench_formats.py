@@ -118,11 +118,13 @@ def test_the_kernel_profile_counts_fp8_linears_bytes(tmp_path, fp8_inputs):
     [
         ([], "published"),
         (["--fp8-inputs", "bfloat16"], "published, bf16 inputs"),
+        (["--fp4-inputs", "int8"], "published, int8 inputs"),
+        (["--fp4-inputs", "int8", "--fp8-inputs", "bfloat16"], "published, int8/bf16 inputs"),
         (["--fp4-inputs", "float32"], "published"),
     ],
 )
 def test_the_profile_names_the_row_it_times(argv, row):
-    """`--profile` times the bfloat16-inputs row when the options ask for one, and its heading says which."""
+    """`--profile` times the row of rounded inputs when the options ask for one, and its name says which."""
     import argparse
 
     from leanserve.bench.formats import add_arguments, profiled_row
@@ -163,7 +165,9 @@ def test_decode_rates_time_each_weight_format_through_its_kernel():
     from leanserve.bench.host import decode_rates
 
     rates = decode_rates(repeats=2)
-    assert list(rates) == ["FP4", "FP8", "bfloat16", "float32", "FP4, bfloat16 inputs", "FP8, bfloat16 inputs"]
+    assert list(rates) == [
+        "FP4", "FP8", "bfloat16", "float32", "FP4, bfloat16 inputs", "FP8, bfloat16 inputs", "FP4, int8 inputs"
+    ]  # fmt: skip
     assert all(0 < r < float("inf") for r in rates.values())
 
 
@@ -177,7 +181,7 @@ def _routed_fp4_bytes(cfg) -> int:
 def test_a_tokens_bytes_by_format_add_up_to_its_bytes():
     """bench/host.py's accounting: a published token's bytes split into FP4 (the routed experts), FP8 (the FP8
     linears, scales included), bfloat16 and float32, adding up to token_bytes; the bf16 checkpoint's have no FP4
-    or FP8, and bfloat16 inputs rename the quantized formats."""
+    or FP8, and bfloat16 or int8 inputs rename the quantized formats."""
     from leanserve.bench.host import token_format_bytes
 
     cfg = preset_config("tiny")
@@ -192,6 +196,7 @@ def test_a_tokens_bytes_by_format_add_up_to_its_bytes():
     assert token_format_bytes(cfg, True, fp8_inputs="bfloat16").keys() == {
         "FP4", "FP8, bfloat16 inputs", "bfloat16", "float32", "other"
     }  # fmt: skip
+    assert token_format_bytes(cfg, True, fp4_inputs="int8")["FP4, int8 inputs"] == published["FP4"]
 
 
 def test_the_floor_reads_each_format_at_the_slower_of_the_read_and_its_cores_decode():

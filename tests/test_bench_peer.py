@@ -93,16 +93,23 @@ def test_the_rows_give_each_engines_tok_s_and_its_ratio_to_llama_cpp():
     both = {"fp4_inputs": "bfloat16", "fp8_inputs": "bfloat16"}
     ours, _ = peer.peer_rows(0.010, 0.016, "MXFP4 + Q8_0", 0.9, both)
     assert ours.format == "FP8 + FP4 (published), FP4 x bfloat16 inputs, FP8 x bfloat16 inputs"
+    ours, _ = peer.peer_rows(0.010, 0.016, "MXFP4 + Q8_0", 0.9, {"fp4_inputs": "int8", "fp8_inputs": "float32"})
+    assert ours.format == "FP8 + FP4 (published), FP4 x int8 inputs"
 
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
-def test_the_inputs_options_take_float32_or_bfloat16_and_are_float32_by_default(fmt):
+def test_the_inputs_options_take_float32_or_bfloat16_fp4_int8_and_are_float32_by_default(fmt):
     from leanserve.bench.options import inputs_of
 
     assert inputs_of(_parser().parse_args([])) == {"fp4_inputs": "float32", "fp8_inputs": "float32"}
     assert getattr(_parser().parse_args([f"--{fmt}-inputs", "bfloat16"]), f"{fmt}_inputs") == "bfloat16"
     with pytest.raises(SystemExit):
         _parser().parse_args([f"--{fmt}-inputs", "float16"])
+    if fmt == "fp4":
+        assert _parser().parse_args(["--fp4-inputs", "int8"]).fp4_inputs == "int8"
+    else:  # (int8 is FP4's only)
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["--fp8-inputs", "int8"])
 
 
 def test_the_format_names_the_types_holding_most_bytes():

@@ -288,16 +288,18 @@ def test_kernels_dequantize_as_quant_py():
         assert torch.equal(torch.from_numpy(cpu_kernels.dequantized(numpy_views(w))), w.dequantize())
 
 
-@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("inputs", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("in_features", [32, 96, 128, 224, 512, 736, 1024])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
-def test_fp4_few_rows_match_the_dequantized_weight(rows, in_features, bf16):
+def test_fp4_few_rows_match_the_dequantized_weight(rows, in_features, inputs):
     # The few-row FP4 reader (decode, verification; this host's: AVX-512, AVX2 or neither): whole 128-value chunks
     # (four at a time and alone), a last chunk of 1-3 groups, every code, scales from 2^-127 (UE8M0 0) to 2^13:
-    # each output is x . W dequantized, up to float32 rounding of its sum; with bf16 (Fp4Weight.inputs bfloat16:
-    # vdpbf16ps on AVX512-BF16) x rounded to bfloat16 by torch. Five rows take the decoded blocks through the tiles.
+    # each output is x . W dequantized, up to float32 rounding of its sum; with bfloat16 inputs (vdpbf16ps on
+    # AVX512-BF16) x rounded to bfloat16 by torch, with int8 (integer multiply-adds on AVX2: steps of 256 inputs and
+    # a last one of 1-7 groups) to 8 bits a block by quant.int8_rounded. Five rows take the decoded blocks through
+    # the tiles.
     from leanserve.model.backends.cpu.kernels.quantized import _fp4_rows_jit
-    from leanserve.model.quant import Fp4Weight
+    from leanserve.model.quant import INPUT_CODES, INPUTS, Fp4Weight, int8_rounded
 
     gen = torch.Generator().manual_seed(rows * in_features)
     packed = torch.randint(0, 256, (37, in_features // 2), dtype=torch.uint8, generator=gen)
@@ -307,19 +309,24 @@ def test_fp4_few_rows_match_the_dequantized_weight(rows, in_features, bf16):
     w = Fp4Weight(packed, scale).dequantize().double()
     x = torch.randn(rows, in_features, generator=gen)
     out = np.empty((rows, 37), dtype=np.float32)
-    _fp4_rows_jit(x.numpy(), packed.numpy(), scale.numpy(), out, rows, bf16)
-    if bf16:  # (the rounding moves a sum by about 1e-3 of its terms' size: far outside the bound)
+    _fp4_rows_jit(x.numpy(), packed.numpy(), scale.numpy(), out, rows, INPUT_CODES[INPUTS[inputs]])
+    if inputs == "bfloat16":  # (the rounding moves a sum by about 1e-3 of its terms' size: far outside the bound)
         x = x.to(torch.bfloat16).float()
+    elif inputs == "int8":  # (and this one by about 5e-3)
+        x = int8_rounded(x)
     ref = x.double() @ w.T
     bound = 1e-6 * (x.double().abs() @ w.abs().T) + 1e-44
     assert ((torch.from_numpy(out).double() - ref).abs() <= bound).all()
-    assert (torch.from_numpy(out[:, 0]) != 0).all()  # (row 0's values are 2^-127 times the codes)
+    if inputs != "int8":  # (rounded to 8 bits a block, x's products with a row's codes can add up to exactly 0)
+        assert (torch.from_numpy(out[:, 0]) != 0).all()  # (row 0's values are 2^-127 times the codes)
 
 
+@pytest.mark.parametrize("code", [0, 2])
 @pytest.mark.parametrize("in_features", [224, 1024])
-def test_fp4_few_rows_give_each_row_its_bits_alone(in_features):
+def test_fp4_few_rows_give_each_row_its_bits_alone(in_features, code):
     # Batch invariance of the few-row FP4 reader: a row of x among two to four (verification, batch 2-4; on AVX2
-    # three and four rows take a chunk by halves) gets the same bits as alone (decode at batch 1).
+    # three and four rows take a chunk by halves) gets the same bits as alone (decode at batch 1); so does the
+    # int8-inputs reader (quant.INPUT_CODES' 2).
     from leanserve.model.backends.cpu.kernels.quantized import _fp4_rows_jit
 
     gen = torch.Generator().manual_seed(in_features)
@@ -328,10 +335,10 @@ def test_fp4_few_rows_give_each_row_its_bits_alone(in_features):
     x = torch.randn(4, in_features, generator=gen).numpy()
     alone = np.empty((4, 37), dtype=np.float32)
     for t in range(4):
-        _fp4_rows_jit(x[t : t + 1], packed, scale, alone[t : t + 1], 1, False)
+        _fp4_rows_jit(x[t : t + 1], packed, scale, alone[t : t + 1], 1, code)
     for rows in (2, 3, 4):
         out = np.empty((rows, 37), dtype=np.float32)
-        _fp4_rows_jit(x[:rows], packed, scale, out, rows, False)
+        _fp4_rows_jit(x[:rows], packed, scale, out, rows, code)
         assert np.array_equal(out, alone[:rows]), rows
 
 
@@ -355,10 +362,10 @@ import numpy as np
 import torch
 
 from leanserve.model.backends.cpu.kernels import quantized
-from leanserve.model.quant import quantize_fp4, quantize_fp8
+from leanserve.model.quant import int8_rounded, quantize_fp4, quantize_fp8
 
 assert quantized._FP4B_1 is None and quantized._FP8B_1 is None
-assert (quantized._FP4_1 is None) == (not features().get("avx2", False))
+assert (quantized._FP4_1 is None) == (quantized._FP4I_1 is None) == (not features().get("avx2", False))
 w8 = quantize_fp8(torch.randn(40, 300))
 for n in (1, 2, 5):
     x = torch.randn(n, 300)
@@ -368,15 +375,16 @@ for n in (1, 2, 5):
     ref, size = xr @ w8.dequantize().double().T, xr.abs() @ w8.dequantize().double().abs().T
     assert ((torch.from_numpy(out).double() - ref).abs() <= 1e-6 * size).all(), ("fp8", n)
 w = quantize_fp4(torch.randn(40, 224) * 0.02)
-for bf16 in (False, True):
+rounded = (lambda x: x, lambda x: x.to(torch.bfloat16).float(), int8_rounded)  # (by quant.INPUT_CODES)
+for code in (0, 1, 2):
     for n in (1, 2, 5):
         x = torch.randn(n, 224)
         out = np.empty((n, 40), dtype=np.float32)
-        quantized._fp4_rows_jit(x.numpy(), w.packed.numpy(), w.scale.numpy(), out, n, bf16)
-        xr = x.to(torch.bfloat16).float() if bf16 else x
+        quantized._fp4_rows_jit(x.numpy(), w.packed.numpy(), w.scale.numpy(), out, n, code)
+        xr = rounded[code](x)
         ref = xr.double() @ w.dequantize().double().T
         bound = 1e-6 * (xr.double().abs() @ w.dequantize().double().abs().T)
-        assert ((torch.from_numpy(out).double() - ref).abs() <= bound).all(), (bf16, n)
+        assert ((torch.from_numpy(out).double() - ref).abs() <= bound).all(), (code, n)
 print("ok")
 """
 
@@ -384,7 +392,7 @@ print("ok")
 @pytest.mark.parametrize("without", [["avx512bf16"], ["avx512"], ["avx512", "avx2"]])
 def test_quantized_readers_compile_and_agree_on_hosts_without_avx512_bf16_avx512_or_avx2(without, tmp_path):
     # On a host without AVX512-BF16 (or without AVX-512, or without AVX2 either) the few-row FP4 and FP8 readers
-    # compile without the intrinsics they cannot use and give the same sums, float32 or bfloat16 inputs (a fresh
+    # compile without the intrinsics they cannot use and give the same sums, float32, bfloat16 or int8 inputs (a fresh
     # process and kernel cache that see this host's CPU features less those named).
     import subprocess
     import sys
@@ -415,6 +423,41 @@ def test_fp4_inputs_round_to_bfloat16_as_torch_does():
     src = 128 * (k // 128) + 4 * (k % 32) + (k % 128) // 32
     wbits = np.where(np.isnan(got), 0x7FC0, got.view(np.uint32) >> 16)[0]
     assert (xb[0] == np.where(src < 160, wbits[np.minimum(src, 159)], 0)).all()
+
+
+def test_fp4_inputs_round_to_8_bits_as_torch_does():
+    # The kernels' rounding of x to 8 bits a block of 32 (--fp4-inputs int8) gives quant.int8_rounded's values: a
+    # block of zeros, one whose largest magnitude is negative, one of ties (x * 127 / amax exactly
+    # k + 0.5: to even), one of tiny and one of huge values, random ones; and the layout the AVX2 dots read.
+    from leanserve.model.backends.cpu.kernels.int8dots import int8_x_shapes
+    from leanserve.model.backends.cpu.kernels.quantized import _int8_rounded_jit, _int8_x_jit
+    from leanserve.model.quant import INT8_MAX, int8_rounded
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 7 * 32)).astype(np.float32)
+    x[0, :32] = 0.0
+    x[0, 32:64] *= 0.1
+    x[0, 40] = -5.0
+    x[0, 64:96] = (np.arange(32) % 8 + 0.5).astype(np.float32)
+    x[0, 64] = 127.0  # (amax 127: x * 1 = k + 0.5 for the others)
+    x[1, :32] *= 1e-30
+    x[1, 32:64] *= 1e30
+    got = _int8_rounded_jit(x, 2)
+    want = int8_rounded(torch.from_numpy(x)).numpy()
+    assert np.array_equal(got, want)  # (the same floats: bit for bit, but a zero's sign)
+    assert np.array_equal(got[0, 64:72], [127.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, 8.0])  # (ties to even)
+    assert (got[0, :32] == 0).all() and got[0, 40] == -5.0
+    wq, wd, wc = int8_x_shapes(x.shape[1])
+    xq, xd, xc = np.full((2, wq), 9, np.int8), np.full((2, wd), 9, np.float32), np.full((2, wc), 9, np.int32)
+    _int8_x_jit(x, xq, xd, xc, 2)
+    g, i = np.arange(7)[:, None], np.arange(32)[None, :]
+    at = 64 * (g // 2) + 16 * (g % 2) + 32 * (i % 2) + i // 2  # (a group pair's evens, then its odds)
+    lanes = 8 * (g // 2) + 4 * (g % 2) + np.arange(4)[None, :]  # (a group's four lanes of xd and xc)
+    d = 2 * xd[:, lanes]  # [2, 7, 4]
+    q = np.rint(want.reshape(2, 7, 32) / np.where(d > 0, d, 1)[..., :1])
+    assert (d == d[..., :1]).all() and np.array_equal(xq[:, at], q) and (np.abs(q) <= INT8_MAX).all()
+    assert (np.delete(xq, at.ravel(), axis=1) == 0).all() and (np.delete(xd, lanes.ravel(), axis=1) == 0).all()
+    assert np.array_equal(xc[:, lanes[:, 0]], 12 * q.sum(axis=-1)) and (xc[:, lanes[:, 1:]] == 0).all()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 7])

@@ -62,9 +62,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fp4-inputs",
         default="float32",
-        choices=["float32", "bfloat16"],
-        help="what a published checkpoint's FP4 experts multiply: the activations as they are, or rounded to "
-        "bfloat16 (faster with AVX512-BF16; docs/checkpoints.md)",
+        choices=["float32", "bfloat16", "int8"],
+        help="what a published checkpoint's FP4 experts multiply: the activations as they are, rounded to "
+        "bfloat16 (faster with AVX512-BF16), or to 8 bits a block of 32 (faster with AVX2; docs/checkpoints.md)",
     )
     p.add_argument(
         "--fp8-inputs",

@@ -45,7 +45,7 @@ from leanserve.model.config import CSA, HCA, MOE, ModelConfig
 
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepseek-v4-flash.json"
 FORMATS = ("bf16", "published")
-BF16_INPUTS = "published, bf16 inputs"  # (--fp4-inputs / --fp8-inputs bfloat16: the published checkpoint's third row)
+SHORT_INPUTS = {"bfloat16": "bf16", "int8": "int8"}  # (the third row's name: the roundings its options ask for)
 SHARD = 2 * 10**9  # bytes per safetensors shard written (safetensors copies a shard in memory as it writes)
 
 
@@ -226,15 +226,17 @@ def formats_bench(
     size, with the batch-1 bytes per token, GB/s and share of the measured memory bandwidth. `profile`, a list:
     the batch-1 step of the profiled row (profiled_row) kernel by kernel is appended to it (bench/profile.py),
     after the timings.
-    `inputs` (EngineConfig's fp4_inputs / fp8_inputs) with a bfloat16: the published checkpoint also with those
-    weights meeting bfloat16 inputs (a third row, timed with the other two, and the one profiled)."""
+    `inputs` (EngineConfig's fp4_inputs / fp8_inputs) with a rounding: the published checkpoint also with those
+    weights meeting their inputs so rounded (a third row, inputs_row, timed with the other two, and the one
+    profiled)."""
     root = Path(root)
     cfg = bench_config(layers, experts, vocab_size, mtp)
     flash = ModelConfig.from_json_file(FLASH_CONFIG)
     dirs = make_checkpoints(root, cfg, seed, log)
     inputs = inputs or FLOAT32_INPUTS
     formats = rows_of(inputs)
-    dirs[BF16_INPUTS] = dirs["published"]  # (the third row loads the published files again)
+    if len(formats) > len(FORMATS):
+        dirs[inputs_row(inputs)] = dirs["published"]  # (the third row loads the published files again)
     sizes = {f: sum(p.stat().st_size for p in dirs[f].glob("*.safetensors")) for f in formats}
     available = _mem_available()
     # (loading both peaked at about 1.65x their files' bytes here: leave that much and some room)
@@ -326,18 +328,27 @@ def formats_bench(
 
 
 def _inputs_of_row(row: str, inputs: dict[str, str]) -> dict[str, str]:
-    """The fp4_inputs / fp8_inputs of a row's runner: the options asked for on the BF16_INPUTS row, float32 else."""
-    return inputs if row == BF16_INPUTS else FLOAT32_INPUTS
+    """The fp4_inputs / fp8_inputs of a row's runner: the options asked for on their row (inputs_row), float32
+    else."""
+    return inputs if row == inputs_row(inputs) else FLOAT32_INPUTS
+
+
+def inputs_row(inputs: dict[str, str]) -> str:
+    """The name of the published checkpoint's row whose weights meet `inputs` (fp4_inputs / fp8_inputs), e.g.
+    "published, bf16 inputs", or "published, int8/bf16 inputs" for FP4's int8 and FP8's bfloat16."""
+    kinds = [SHORT_INPUTS[v] for v in inputs.values() if v != "float32"]
+    return "published, " + "/".join(dict.fromkeys(kinds)) + " inputs"
 
 
 def rows_of(inputs: dict[str, str] | None) -> tuple[str, ...]:
-    """The rows the bench times: FORMATS, and BF16_INPUTS where `inputs` (fp4_inputs / fp8_inputs) ask for bfloat16."""
-    return FORMATS + ((BF16_INPUTS,) if inputs and inputs != FLOAT32_INPUTS else ())
+    """The rows the bench times: FORMATS, and inputs_row(inputs) where `inputs` (fp4_inputs / fp8_inputs) ask for
+    a rounding."""
+    return FORMATS + ((inputs_row(inputs),) if inputs and inputs != FLOAT32_INPUTS else ())
 
 
 def profiled_row(inputs: dict[str, str] | None) -> str:
-    """The row that `--profile` times kernel by kernel: the one with bfloat16 inputs when there is one."""
-    return BF16_INPUTS if BF16_INPUTS in rows_of(inputs) else "published"
+    """The row that `--profile` times kernel by kernel: the one with rounded inputs when there is one."""
+    return rows_of(inputs)[-1] if len(rows_of(inputs)) > len(FORMATS) else "published"
 
 
 def _profile(runner, prompt_len: int, rounds: int) -> tuple[dict, int, float]:
@@ -379,7 +390,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=20, help="decode steps per format and batch size")
     p.add_argument(
         "--profile", action="store_true", help="also: the published format's batch-1 step (the third row's with "
-        "--fp4-inputs / --fp8-inputs bfloat16), kernel by kernel"
+        "--fp4-inputs / --fp8-inputs), kernel by kernel"
     )  # fmt: skip
     p.add_argument("--mtp", action="store_true", help="give the model Flash's MTP layer (for bench spec-cost --model)")
     p.add_argument("--peer", choices=PEERS, default=None, help="also: a peer engine's batch-1 decode (bench/peer.py)")

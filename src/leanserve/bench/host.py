@@ -7,8 +7,8 @@ decode of its format with the weight in cache (one core's rate times the cores).
 so it can take no less than the sum; the share of that floor a step reaches is what its kernels leave, once the
 host's arithmetic is counted. Where every format decodes faster than the cores' share of the read, the floor is
 the read alone. Formats are named as `decode_rates` names them: FP4 and FP8 (values and scales), each also with
-bfloat16 inputs (`--fp4-inputs` / `--fp8-inputs`), bfloat16 and float32; bytes of any other kind (the
-hash-routing row) count at the read."""
+bfloat16 inputs (`--fp4-inputs` / `--fp8-inputs`), FP4 also with int8 inputs, bfloat16 and float32; bytes of any
+other kind (the hash-routing row) count at the read."""
 
 from __future__ import annotations
 
@@ -88,12 +88,13 @@ def kernel_peak_gflops(rows: int = 64, width: int = 4096, repeats: int = 5) -> f
 
 # --- weights' formats and their decode rates ------------------------------------------------------------------------------------
 BF16_SUFFIX = ", bfloat16 inputs"  # (suffix of a quantized format whose weights meet inputs rounded to bfloat16)
+INT8_SUFFIX = ", int8 inputs"  # (and to 8 bits a block: FP4's int8 inputs)
 
 
 def format_name(base: str, inputs: torch.dtype) -> str:
-    """A quantized format's name for decode rates: `base` (FP4 or FP8), with BF16_SUFFIX where its inputs are
-    rounded to bfloat16."""
-    return base + (BF16_SUFFIX if inputs == torch.bfloat16 else "")
+    """A quantized format's name for decode rates: `base` (FP4 or FP8), with BF16_SUFFIX or INT8_SUFFIX where its
+    inputs are rounded to bfloat16 or to 8 bits a block."""
+    return base + {torch.bfloat16: BF16_SUFFIX, torch.int8: INT8_SUFFIX}.get(inputs, "")
 
 
 def weight_arrays(w) -> list:
@@ -129,11 +130,12 @@ def decode_rates(repeats: int = 200) -> dict[str, float]:
     """GB/s at which one core reads each weight format at one row of x with the weight in its cache (L2): what the
     kernels' arithmetic allows, apart from memory. Each is a [rows x 4096] weight of IN_CACHE_BYTES through the
     compiled rows kernel that the decode step's tasks call for it (FP4 experts, FP8 and plain linears; FP4 and FP8
-    also with inputs rounded to bfloat16, BF16_SUFFIX), best of `repeats` calls."""
+    also with inputs rounded to bfloat16, BF16_SUFFIX; FP4 to 8 bits a block, INT8_SUFFIX), best of `repeats`
+    calls."""
     from leanserve.model.backends.cpu.kernels.linear import _linear_rows_jit
     from leanserve.model.backends.cpu.kernels.quantized import _fp4_rows_jit, _fp8_rows_jit
     from leanserve.model.backends.cpu.views import numpy_views
-    from leanserve.model.quant import quantize_fp4, quantize_fp8
+    from leanserve.model.quant import BF16_CODE, INT8_CODE, quantize_fp4, quantize_fp8
 
     width = 4096
     gen = torch.Generator().manual_seed(0)
@@ -149,13 +151,16 @@ def decode_rates(repeats: int = 200) -> dict[str, float]:
     f32 = weight("float32").numpy()
     out = {name: np.empty((1, n), dtype=np.float32) for name, n in rows.items()}
     runs = {}
-    for suffix, rounded in (("", False), (BF16_SUFFIX, True)):
-        runs["FP4" + suffix] = (lambda r=rounded: _fp4_rows_jit(x, fp4.packed, fp4.scale, out["FP4"], 1, r), fp4)
-        runs["FP8" + suffix] = (lambda r=rounded: _fp8_rows_jit(x, fp8.q, fp8.scale, 0, out["FP8"], 1, r), fp8)
+    for suffix, code in (("", 0), (BF16_SUFFIX, BF16_CODE), (INT8_SUFFIX, INT8_CODE)):
+        runs["FP4" + suffix] = (lambda c=code: _fp4_rows_jit(x, fp4.packed, fp4.scale, out["FP4"], 1, c), fp4)
+        runs["FP8" + suffix] = (
+            lambda c=code: _fp8_rows_jit(x, fp8.q, fp8.scale, 0, out["FP8"], 1, c == BF16_CODE),
+            fp8,
+        )
     runs["bfloat16"] = (lambda: _linear_rows_jit(x, bf16, out["bfloat16"], 1), bf16)
     runs["float32"] = (lambda: _linear_rows_jit(x, f32, out["float32"], 1), f32)
     rates = {}
-    for name in ("FP4", "FP8", "bfloat16", "float32", "FP4" + BF16_SUFFIX, "FP8" + BF16_SUFFIX):
+    for name in ("FP4", "FP8", "bfloat16", "float32", "FP4" + BF16_SUFFIX, "FP8" + BF16_SUFFIX, "FP4" + INT8_SUFFIX):
         fn, w = runs[name]
         fn()  # (compiles, and brings the weight into cache)
         rates[name] = weight_bytes(w) / min(seconds(fn) for _ in range(repeats)) / 1e9
@@ -201,7 +206,9 @@ def token_format_bytes(cfg: ModelConfig, published: bool, fp4_inputs: str = "flo
 
 
 def _dtype(inputs: str) -> torch.dtype:
-    return torch.bfloat16 if inputs == "bfloat16" else torch.float32
+    from leanserve.model.quant import INPUTS
+
+    return INPUTS[inputs]
 
 
 def floor_seconds(by_format: dict, read_gb_s: float, cores: int, rates: dict) -> float:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from leanserve.model.quant import FP8_INPUTS, INPUTS
+
 SHIPPED_MODEL = "models/dsv4-stdlib-12l"  # the shipped model, from the repo root
 
 
@@ -25,10 +27,10 @@ FLOAT32_INPUTS = {"fp4_inputs": "float32", "fp8_inputs": "float32"}  # (EngineCo
 
 def add_inputs(p: argparse.ArgumentParser, what: str) -> None:
     """--fp4-inputs / --fp8-inputs (EngineConfig's), for `what` (the help's end)."""
-    for fmt, weights in (("fp4", "FP4 experts"), ("fp8", "FP8 weights")):
+    for fmt, weights, names in (("fp4", "FP4 experts", list(INPUTS)), ("fp8", "FP8 weights", list(FP8_INPUTS))):
         p.add_argument(
-            f"--{fmt}-inputs", default="float32", choices=["float32", "bfloat16"],
-            help=f"bfloat16: the published checkpoint's {weights} meet bfloat16 inputs ({what})",
+            f"--{fmt}-inputs", default="float32", choices=names,
+            help=f"the published checkpoint's {weights} meet their inputs rounded to this ({what})",
         )  # fmt: skip
 
 

@@ -122,8 +122,10 @@ class EngineConfig:
     speculative_config      a SpeculativeConfig, its dict or JSON, e.g. {"method": "mtp", "num_speculative_tokens": 1}
     backend                 the model's math: auto, torch or cpu (model/backend.py)
     fp4_inputs              what a published checkpoint's FP4 experts multiply: float32 (the activations as they
-                            are) or bfloat16 (rounded to it: faster on CPUs with AVX512-BF16; docs/checkpoints.md)
-    fp8_inputs              the same for its FP8 weights (attention, shared experts, FP8 experts)
+                            are), bfloat16 (rounded to it: faster on CPUs with AVX512-BF16) or int8 (rounded to 8
+                            bits a block of 32: faster on CPUs with AVX2; docs/checkpoints.md)
+    fp8_inputs              the same for its FP8 weights (attention, shared experts, FP8 experts): float32 or
+                            bfloat16
     kv_cache_memory         bytes of paged cache each stage holds for its layers: an int or a size such as
                             "20GiB" (None: what max_num_seqs sequences of max_model_len take, at most half the
                             memory free when the engine starts; docs/memory.md)

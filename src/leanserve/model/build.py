@@ -60,9 +60,9 @@ def build_model(
     loader (or a random init) must fill every parameter and persistent buffer. With `checkpoint` (a model
     directory), its safetensors headers are checked against the meta model first, so a checkpoint that does
     not fit fails before anything is allocated. The stage's backend is chosen here, once (see
-    backends.select_backend), and sets the activations' dtype. `fp4_inputs` / `fp8_inputs` (float32 or bfloat16):
-    what the FP4 experts / the FP8 weights of a published checkpoint multiply (a quantized weight's `inputs`);
-    bfloat16 where the model has no such weights is an error (it would change nothing)."""
+    backends.select_backend), and sets the activations' dtype. `fp4_inputs` / `fp8_inputs` (float32 or bfloat16;
+    int8 too for FP4): what the FP4 experts / the FP8 weights of a published checkpoint multiply (a quantized
+    weight's `inputs`); a rounding where the model has no such weights is an error (it would change nothing)."""
     quant = cfg.quantization
     check_inputs(fp4_inputs, fp8_inputs, quant is not None and quant.experts == "fp4", quant is not None)
     ops = select_backend(device, dtype, backend)

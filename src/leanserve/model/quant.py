@@ -25,6 +25,7 @@ FP4_GROUP = 32  # inputs of a row that share an FP4 scale
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP8_MAX = 448.0  # the largest e4m3 value
 FP4_MAX = 6.0
+INT8_MAX = 127  # the largest magnitude of x rounded to 8 bits (int8_rounded)
 
 
 def ue8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -62,7 +63,9 @@ class Fp4Weight:
     """An FP4 e2m1 matrix with a scale per 32 inputs of a row (or a stack of them, leading dims first). `inputs`:
     the precision of what it multiplies. float32 (the default) takes x as it is; bfloat16 takes x rounded to
     bfloat16 (to nearest, ties to even), where every product of an FP4 value and a bfloat16 is exact in float32
-    and the sums stay float32: what lets a CPU with AVX512-BF16 multiply 32 pairs per instruction
+    and the sums stay float32: what lets a CPU with AVX512-BF16 multiply 32 pairs per instruction; int8 (torch's
+    dtype as the name) takes x rounded to 8 bits a block of 32 inputs (int8_rounded), where a group's products
+    and their sum are exact integers: what lets a CPU with AVX2 multiply 32 pairs per instruction
     (`--fp4-inputs`, docs/checkpoints.md)."""
 
     packed: torch.Tensor  # [..., out, in / 2] uint8
@@ -112,7 +115,11 @@ def is_quantized(w) -> bool:
     return isinstance(w, Fp8Weight | Fp4Weight | Fp8Experts)
 
 
-INPUTS = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # a quantized weight's `inputs` by name
+INPUTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}  # `inputs` by name
+FP8_INPUTS = ("float32", "bfloat16")  # (int8 is FP4's only: e4m3 values are not small integers)
+# A quantized weight's `inputs` as the kernels take it (an integer: one compiled build for all three)
+FLOAT32_CODE, BF16_CODE, INT8_CODE = 0, 1, 2
+INPUT_CODES = {torch.float32: FLOAT32_CODE, torch.bfloat16: BF16_CODE, torch.int8: INT8_CODE}
 
 
 def bf16_inputs(w) -> bool:
@@ -120,19 +127,41 @@ def bf16_inputs(w) -> bool:
     return is_quantized(w) and w.inputs == torch.bfloat16
 
 
+def input_code(w) -> int:
+    """A weight's `inputs` as the kernels take it (INPUT_CODES; 0 for a plain weight)."""
+    return INPUT_CODES[w.inputs] if is_quantized(w) else FLOAT32_CODE
+
+
 def check_inputs(fp4_inputs: str, fp8_inputs: str, has_fp4: bool = True, has_fp8: bool = True) -> None:
-    """Refuses an `inputs` name that is not one (quant.INPUTS), and bfloat16 for a format the model lacks."""
-    for name, value, has, what in (("fp4_inputs", fp4_inputs, has_fp4, "FP4 experts"),
-                                   ("fp8_inputs", fp8_inputs, has_fp8, "FP8 weights")):  # fmt: skip
-        if value not in INPUTS:
-            raise ConfigError(f"{name} must be one of {tuple(INPUTS)}, got {value!r}.")
+    """Refuses an `inputs` name that is not one (INPUTS; FP8_INPUTS for FP8 weights), and one other than float32
+    for a format the model lacks."""
+    for name, value, names, has, what in (("fp4_inputs", fp4_inputs, tuple(INPUTS), has_fp4, "FP4 experts"),
+                                          ("fp8_inputs", fp8_inputs, FP8_INPUTS, has_fp8, "FP8 weights")):  # fmt: skip
+        if value not in names:
+            raise ConfigError(f"{name} must be one of {names}, got {value!r}.")
         if value != "float32" and not has:
             raise ConfigError(f"{name} {value!r} applies to {what}, and this model has none.")
 
 
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x (float32, its last dimension a multiple of 32) rounded to 8 bits a block of 32: q * d with d = a block's
+    largest magnitude / 127 and q = round(x * (127 / that magnitude)) (ties to even; 0 for a block of zeros), each
+    step one float32 operation. llama.cpp's Q8_0 rounds activations this way (its d a float16)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, FP4_GROUP)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, INT8_MAX / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv).clamp(-INT8_MAX, INT8_MAX)
+    return (q * (amax / INT8_MAX)).reshape(x.shape).to(x.dtype)
+
+
 def inputs_for(w, x: torch.Tensor) -> torch.Tensor:
-    """x as weight w multiplies it: rounded to bfloat16 (and back to x's dtype) where bf16_inputs(w)."""
-    return x.to(torch.bfloat16).to(x.dtype) if bf16_inputs(w) else x
+    """x as weight w multiplies it: rounded to bfloat16 (and back to x's dtype) where bf16_inputs(w), to 8 bits a
+    block (int8_rounded) where its `inputs` are int8."""
+    if bf16_inputs(w):
+        return x.to(torch.bfloat16).to(x.dtype)
+    if is_quantized(w) and w.inputs == torch.int8:
+        return int8_rounded(x)
+    return x
 
 
 def dense(w, dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from leanserve.model.backends.cpu import kernels as ck
-from leanserve.model.quant import Fp8Weight, bf16_inputs
+from leanserve.model.quant import Fp8Weight, bf16_inputs, input_code
 from leanserve.model.weights import AttentionWeights, CompressorWeights, MixWeights, MoEWeights
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ def moe_args(w: MoEWeights) -> tuple:
     return (
         w.gate, ck.EMPTY if w.bias is None else w.bias, NO_TABLE if w.tid2eid is None else w.tid2eid, w.top_k,
         SCORING[w.scoring], w.route_scale, *ck.stored(w.w13), *ck.stored(w.w2), *ck.stored(w.shared_w1),
-        *ck.stored(w.shared_w3), *ck.stored(w.shared_w2), w.limit, bf16_inputs(w.w13),
+        *ck.stored(w.shared_w3), *ck.stored(w.shared_w2), w.limit, input_code(w.w13),
         bf16_inputs(w.shared_w1),
     )  # fmt: skip
 

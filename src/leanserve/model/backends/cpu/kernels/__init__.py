@@ -7,10 +7,22 @@ Kernels take numpy views of contiguous float32 CPU tensors and write into an out
 (../backend.py) says when they apply, and ../arrays.py and ../decode.py call them on numpy arrays. One module per
 job: `base` (compiler settings, builds, threads), `mix` (norms, mHC, RoPE), `linear` (few-row linears), `simd`
 (LLVM IR linear tiles), `rowdots` (LLVM IR row dot products of FP8 / FP4 weights), `bf16dots` (the same against
-bfloat16 inputs), `quantized` (FP8 / FP4 weights as stored), `moe`, `attention` (compressor, attention, indexer).
+bfloat16 inputs), `int8dots` (FP4's against inputs rounded to 8 bits), `quantized` (FP8 / FP4 weights as stored),
+`moe`, `attention` (compressor, attention, indexer).
 """
 
-from leanserve.model.backends.cpu.kernels import attention, base, bf16dots, linear, mix, moe, quantized, rowdots, simd
+from leanserve.model.backends.cpu.kernels import (
+    attention,
+    base,
+    bf16dots,
+    int8dots,
+    linear,
+    mix,
+    moe,
+    quantized,
+    rowdots,
+    simd,
+)
 from leanserve.model.backends.cpu.kernels.attention import attend, attend_splits, compress, index_select
 from leanserve.model.backends.cpu.kernels.base import (
     EMPTY,
@@ -37,7 +49,7 @@ from leanserve.model.backends.cpu.kernels.quantized import (
     stored,
 )
 
-MODULES = (base, mix, linear, simd, rowdots, bf16dots, quantized, moe, attention)
+MODULES = (base, mix, linear, simd, rowdots, bf16dots, int8dots, quantized, moe, attention)
 
 
 def compiled_before() -> bool:

@@ -32,14 +32,15 @@ _silu_glu_jit = _jit(_silu_glu)
 
 
 def moe_tokens(work, x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale, w13, w13_s, w2, w2_s, sw1, sw1_s,
-               sw3, sw3_s, sw2, sw2_s, limit, bf16, shared_bf16, out):  # fmt: skip
+               sw3, sw3_s, sw2, sw2_s, limit, inputs, shared_bf16, out):  # fmt: skip
     """The whole MoE for a step's tokens: per token, router scores (0 = sqrt(softplus), 1 = sigmoid, 2 =
     softmax) and top-k by score + bias (or the hash table when tid2eid is not empty), weights normalised and times
     route_scale (moe_route); then per expert, its tokens through its SwiGLU (each expert's weights read once), and
     the shared expert over all tokens, spread over the cores (moe_experts); their outputs added (moe_combine).
     x, out [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; sw1/sw3 [I', H]; sw2 [H, I'], each with its scale (stored():
     EMPTY for plain weights; the experts FP4 or FP8, the shared expert FP8, see _expert_rows / _matrix_rows);
-    `bf16` / `shared_bf16`: the routed / shared experts meet their inputs rounded to bfloat16 (quant.bf16_inputs).
+    `inputs`: how the routed experts round their inputs (quant.input_code); `shared_bf16`: whether the shared
+    expert rounds them to bfloat16 (quant.bf16_inputs).
     `work`: moe_work's multiply-adds."""
     n, hidden = x.shape
     num_experts, pairs = w13.shape[0], x.shape[0] * top_k
@@ -55,7 +56,7 @@ def moe_tokens(work, x, ids, gate_w, bias, tid2eid, top_k, scoring, route_scale,
     shared = np.empty((chunks, n, hidden), dtype=np.float32)
     claimed = np.zeros(1, dtype=np.int64)  # (the tasks taken so far: base._claim)
     moe_experts(work, x, counts, tasks[:num_tasks], claimed, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s,
-                sw3, sw3_s, sw2, sw2_s, limit, bf16, shared_bf16, ys, shared)  # fmt: skip
+                sw3, sw3_s, sw2, sw2_s, limit, inputs, shared_bf16, ys, shared)  # fmt: skip
     moe_combine(token_of, ys, shared, out)
 
 
@@ -172,7 +173,7 @@ moe_route = _jit(_moe_route)
 
 
 def _moe_task(e, x, counts, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s, sw2, sw2_s, limit,
-              bf16, shared_bf16, ys, shared_out, rows, both, act):  # fmt: skip
+              inputs, shared_bf16, ys, shared_out, rows, both, act):  # fmt: skip
     # (compiled) one of moe_tokens' tasks, writing only its own rows: expert e's tokens (the routed experts'
     # outputs to ys, one row per (token, k) pair), or for e >= the number of experts a part of the shared expert's
     # intermediate rows for every token (to shared_out[part]); rows, both, act: the part's scratch, from row 0
@@ -196,18 +197,18 @@ def _moe_task(e, x, counts, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_
     for r in range(count):
         for k in range(hidden):
             rows[r, k] = x[token_of[first + r], k]
-    _expert_rows(rows[:count], w13, w13_s, e, both[:count], count, bf16)
+    _expert_rows(rows[:count], w13, w13_s, e, both[:count], count, inputs)
     for r in range(count):
         for i in range(inter):
             act[r, i] = _silu_glu_jit(both[r, i], both[r, inter + i], limit) * weight_of[first + r]
-    _expert_rows(act[:count], w2, w2_s, e, ys[first:last], count, bf16)
+    _expert_rows(act[:count], w2, w2_s, e, ys[first:last], count, inputs)
 
 
 _moe_task_jit = _inlined(_moe_task)
 
 
 def _moe_experts(x, counts, tasks, claimed, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s, sw2,
-                 sw2_s, limit, bf16, shared_bf16, ys, shared_out, part, parts):  # fmt: skip
+                 sw2_s, limit, inputs, shared_bf16, ys, shared_out, part, parts):  # fmt: skip
     # (compiled) moe_tokens' tasks (_moe_task), in `tasks`' order (moe_route): for one token, this part's equal
     # share of them; for more, each part takes the next task not yet taken (base._claim on `claimed`, zero before
     # the call) until none is left
@@ -222,7 +223,7 @@ def _moe_experts(x, counts, tasks, claimed, token_of, weight_of, w13, w13_s, w2,
     job, end = _share_jit(tasks.shape[0], part, parts) if shares else (_claim(claimed), tasks.shape[0])
     while job < end:
         _moe_task_jit(tasks[job], x, counts, token_of, weight_of, w13, w13_s, w2, w2_s, sw1, sw1_s, sw3, sw3_s, sw2,
-                      sw2_s, limit, bf16, shared_bf16, ys, shared_out, rows, both, act)  # fmt: skip
+                      sw2_s, limit, inputs, shared_bf16, ys, shared_out, rows, both, act)  # fmt: skip
         job = job + 1 if shares else _claim(claimed)
 
 

@@ -25,6 +25,7 @@ from leanserve.model.backends.cpu.kernels.bf16dots import (
     fp8_bf16_row_dots,
     fp8_bf16_x,
 )
+from leanserve.model.backends.cpu.kernels.int8dots import fp4_int8_row_dots, int8_x, int8_x_shapes
 from leanserve.model.backends.cpu.kernels.linear import (
     ROW_BLOCK,
     _chunk_ends_jit,
@@ -45,7 +46,16 @@ from leanserve.model.backends.cpu.kernels.rowdots import (
     fp4_row_dots,
     fp8_row_dots,
 )
-from leanserve.model.quant import FP4_GROUP, FP8_BLOCK, Fp4Weight, Fp8Experts, Fp8Weight, bf16_inputs
+from leanserve.model.quant import (
+    BF16_CODE,
+    FP4_GROUP,
+    FP8_BLOCK,
+    INT8_CODE,
+    Fp4Weight,
+    Fp8Experts,
+    Fp8Weight,
+    bf16_inputs,
+)
 
 # --- FP8 / FP4 weights, dequantized as they are read (see quant.py) -------------------------------------------
 # A block of ROW_BLOCK weight rows is decoded into a float32 buffer (values times their block's scale, the same
@@ -163,6 +173,18 @@ def _fp4_walk(dots):
     return _inlined(walk)
 
 
+def _int8_walk(dots):
+    """out[:, row] for every row < m of an FP4 weight by fp4_int8_row_dots(t), x as int8_x lays it out."""
+    if dots is None:
+        return None
+
+    def walk(packed, s, xq, xd, xc, out, m):  # pragma: no cover - compiled
+        for row in range(m):
+            dots(packed, s, row, xq, xd, xc, out, row)
+
+    return _inlined(walk)
+
+
 def _fp8_walk(wide_dots, width, one_dots):
     """out[:, :m] (m = out's width) for FP8 weight rows r0 .. r0 + m by the row dots (fp8_row_dots or
     fp8_bf16_row_dots): `width` rows at a time by `wide_dots` within a 128-row scale block where `wide`, else one
@@ -275,7 +297,9 @@ _FP8B_8 = _fp8_walk(fp8_bf16_row_dots(1, 8), 1, fp8_bf16_row_dots(1, 8)) if numb
 _FP4_1, _FP4_2, _FP4_3, _FP4_4 = [_fp4_walk(fp4_row_dots(1, t)) for t in (1, 2, 3, 4)]  # (None without AVX2)
 _FP4_ORDER = fp4_order(_AVX512)  # (the order of x they read)
 _FP4B_1, _FP4B_2, _FP4B_3, _FP4B_4 = [_fp4_walk(fp4_bf16_row_dots(t)) for t in (1, 2, 3, 4)]  # (or AVX512-BF16)
+_FP4I_1, _FP4I_2, _FP4I_3, _FP4I_4 = [_int8_walk(fp4_int8_row_dots(t)) for t in (1, 2, 3, 4)]  # (or AVX2)
 _fp4_permuted_x_jit = _jit(fp4_permuted_x)
+_int8_x_jit = _jit(int8_x, fastmath=False)  # (x * (127 / amax) and its rounding as written: quant.int8_rounded)
 _fp4_bf16_x_jit = _jit(fp4_bf16_x)
 _fp8_bf16_x_jit = _jit(fp8_bf16_x)
 
@@ -289,6 +313,24 @@ def _bf16_rounded(x, n):  # pragma: no cover - compiled: x[:n] rounded to bfloat
 
 
 _bf16_rounded_jit = _jit(_bf16_rounded)
+
+
+def _int8_rounded(x, n):  # pragma: no cover - compiled: x[:n] rounded to 8 bits a block (quant.int8_rounded; new)
+    wq, wd, wc = int8_x_shapes(x.shape[1])
+    xq = np.empty((n, wq), dtype=np.int8)
+    xd = np.empty((n, wd), dtype=np.float32)
+    xc = np.empty((n, wc), dtype=np.int32)
+    _int8_x_jit(x, xq, xd, xc, n)
+    out = np.empty((n, x.shape[1]), dtype=np.float32)
+    for t in range(n):
+        for k in range(x.shape[1]):
+            g, i = k // FP4_GROUP, k % FP4_GROUP
+            q = xq[t, 64 * (g // 2) + 16 * (g % 2) + 32 * (i % 2) + i // 2]
+            out[t, k] = np.float32(q) * (xd[t, 8 * (g // 2) + 4 * (g % 2)] * np.float32(2.0))
+    return out
+
+
+_int8_rounded_jit = _jit(_int8_rounded, fastmath=False)
 
 
 # FP8 rows of at most this many inputs are read one per call: several adjacent rows of 1-2 KB read in step are
@@ -432,12 +474,31 @@ if numba is not None:
     _fp8_inputs = _inlined(_fp8_inputs)
 
 
-def _fp4_rows(x, packed, s, out, n, bf16):  # pragma: no cover - compiled
+def _fp4_rows(x, packed, s, out, n, inputs):  # pragma: no cover - compiled
     # out[:n, :m] = x[:n] @ W[:m]^T for the FP4 weight W: packed [J, K / 2] (element 2i in the low nibble of byte
-    # i), s [J, K / 32] UE8M0 exponents; with `bf16`, x rounded to bfloat16 first (Fp4Weight.inputs)
+    # i), s [J, K / 32] UE8M0 exponents; x rounded first as `inputs` says (quant.INPUT_CODES: to bfloat16, or to 8
+    # bits a block; Fp4Weight.inputs)
     m, half = out.shape[1], packed.shape[1]
     step = FP4_GROUP // 2
     padded = (2 * half + FP4_CHUNK - 1) // FP4_CHUNK * FP4_CHUNK  # (x's length rounded up to whole chunks)
+    if inputs == INT8_CODE and n <= 4 and _FP4I_1 is not None:  # x rounded and laid out once (int8_x)
+        wq, wd, wc = int8_x_shapes(2 * half)
+        xq = np.empty((n, wq), dtype=np.int8)
+        xd = np.empty((n, wd), dtype=np.float32)
+        xc = np.empty((n, wc), dtype=np.int32)
+        _int8_x_jit(x, xq, xd, xc, n)
+        if n == 1:
+            _FP4I_1(packed, s, xq, xd, xc, out, m)
+        elif n == 2:
+            _FP4I_2(packed, s, xq, xd, xc, out, m)
+        elif n == 3:
+            _FP4I_3(packed, s, xq, xd, xc, out, m)
+        else:
+            _FP4I_4(packed, s, xq, xd, xc, out, m)
+        return
+    if inputs == INT8_CODE:  # (the same rounding, then float32 products elsewhere)
+        x = _int8_rounded_jit(x, n)
+    bf16 = inputs == BF16_CODE
     if bf16 and n <= 4 and _AVX512_BF16:  # x rounded and permuted once (fp4_bf16_x), then a row at a time
         xb = _empty64_u16(n, padded)
         _fp4_bf16_x_jit(x, xb, n)
@@ -535,10 +596,10 @@ def _matrix_rows(x, w, s, out, n, r0, c0, bf16):  # pragma: no cover - compiled 
     rounded to bfloat16 first with `bf16`)."""
 
 
-def _expert_rows(x, w, s, e, out, n, bf16):  # pragma: no cover - compiled through the overload below
+def _expert_rows(x, w, s, e, out, n, inputs):  # pragma: no cover - compiled through the overload below
     """out[:n] = x[:n] @ W_e^T for expert e of stacked experts: plain (s empty, 1-d), FP4 (s [E, out, in / 32]; x
-    rounded to bfloat16 first with `bf16`) or FP8 (s [E, halves, ...]: each half of the rows with its own scale
-    grid; the same with `bf16`)."""
+    rounded first as `inputs` says, quant.INPUT_CODES) or FP8 (s [E, halves, ...]: each half of the rows with its
+    own scale grid; x rounded to bfloat16 first where `inputs` says so)."""
 
 
 if numba is not None:
@@ -559,15 +620,16 @@ if numba is not None:
         return fp8
 
     @numba.extending.overload(_expert_rows)
-    def _expert_rows_typed(x, w, s, e, out, n, bf16):
+    def _expert_rows_typed(x, w, s, e, out, n, inputs):
         if s.ndim == 1:
-            return lambda x, w, s, e, out, n, bf16: _linear_rows(x, w[e], out, n)
+            return lambda x, w, s, e, out, n, inputs: _linear_rows(x, w[e], out, n)
         if s.ndim == 3:
-            return lambda x, w, s, e, out, n, bf16: _fp4_rows_jit(x, w[e], s[e], out, n, bf16)
+            return lambda x, w, s, e, out, n, inputs: _fp4_rows_jit(x, w[e], s[e], out, n, inputs)
 
-        def fp8_halves(x, w, s, e, out, n, bf16):
+        def fp8_halves(x, w, s, e, out, n, inputs):
             halves = s.shape[1]
             m = w.shape[1] // halves
+            bf16 = inputs == BF16_CODE
             for h in range(halves):
                 _fp8_rows_jit(x, w[e, h * m : (h + 1) * m], s[e, h], 0, out[:, h * m : (h + 1) * m], n, bf16)
 

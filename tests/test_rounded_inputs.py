@@ -1,6 +1,7 @@
 """`fp4_inputs="bfloat16"` / `fp8_inputs="bfloat16"`: a published checkpoint's FP4 experts / FP8 weights multiply
-their inputs rounded to bfloat16. The torch backend and the CPU kernels (AVX512-BF16's vdpbf16ps where the CPU has
-it, float32 products of the rounded inputs elsewhere) give the same tokens, with speculation too; each option
+their inputs rounded to bfloat16; `fp4_inputs="int8"`: the FP4 experts multiply them rounded to 8 bits a block of 32.
+The torch backend and the CPU kernels (AVX512-BF16's vdpbf16ps, AVX2's integer multiply-adds where the CPU has
+them, float32 products of the rounded inputs elsewhere) give the same tokens, with speculation too; each option
 changes the logits (it is honoured), and a value or a model it does not fit is refused by name."""
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ OPTIONS = {
     "fp8": {"fp8_inputs": "bfloat16"},
     "both": {"fp4_inputs": "bfloat16", "fp8_inputs": "bfloat16"},
     "fp8 experts": {"fp8_inputs": "bfloat16"},
+    "fp4 int8": {"fp4_inputs": "int8"},
+    "int8 and bf16": {"fp4_inputs": "int8", "fp8_inputs": "bfloat16"},
 }
 
 
 @pytest.mark.parametrize("case", list(OPTIONS))
-def test_bfloat16_inputs_give_the_torch_backends_tokens(case, wide_pub, fp8_experts, ids_of):
+def test_rounded_inputs_give_the_torch_backends_tokens(case, wide_pub, fp8_experts, ids_of):
     path, options = (fp8_experts if case == "fp8 experts" else wide_pub), OPTIONS[case]
     ref = _run(path, ids_of, backend="torch", **options)
     runs = {
