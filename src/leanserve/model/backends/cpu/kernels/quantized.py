@@ -315,12 +315,21 @@ def _bf16_rounded(x, n):  # pragma: no cover - compiled: x[:n] rounded to bfloat
 _bf16_rounded_jit = _jit(_bf16_rounded)
 
 
-def _int8_rounded(x, n):  # pragma: no cover - compiled: x[:n] rounded to 8 bits a block (quant.int8_rounded; new)
+def _int8_inputs(x, n):  # pragma: no cover - compiled: (xq, xd, xc), x[:n] as int8_x lays it out (new arrays)
     wq, wd, wc = int8_x_shapes(x.shape[1])
     xq = np.empty((n, wq), dtype=np.int8)
     xd = np.empty((n, wd), dtype=np.float32)
     xc = np.empty((n, wc), dtype=np.int32)
     _int8_x_jit(x, xq, xd, xc, n)
+    return xq, xd, xc
+
+
+if numba is not None:
+    _int8_inputs = _inlined(_int8_inputs)
+
+
+def _int8_rounded(x, n):  # pragma: no cover - compiled: x[:n] rounded to 8 bits a block (quant.int8_rounded; new)
+    xq, xd, _ = _int8_inputs(x, n)
     out = np.empty((n, x.shape[1]), dtype=np.float32)
     for t in range(n):
         for k in range(x.shape[1]):
@@ -482,11 +491,7 @@ def _fp4_rows(x, packed, s, out, n, inputs):  # pragma: no cover - compiled
     step = FP4_GROUP // 2
     padded = (2 * half + FP4_CHUNK - 1) // FP4_CHUNK * FP4_CHUNK  # (x's length rounded up to whole chunks)
     if inputs == INT8_CODE and n <= 4 and _FP4I_1 is not None:  # x rounded and laid out once (int8_x)
-        wq, wd, wc = int8_x_shapes(2 * half)
-        xq = np.empty((n, wq), dtype=np.int8)
-        xd = np.empty((n, wd), dtype=np.float32)
-        xc = np.empty((n, wc), dtype=np.int32)
-        _int8_x_jit(x, xq, xd, xc, n)
+        xq, xd, xc = _int8_inputs(x, n)
         if n == 1:
             _FP4I_1(packed, s, xq, xd, xc, out, m)
         elif n == 2:

@@ -1,7 +1,7 @@
 """Row dot products for weights read as stored at a few rows of x (decode, verification), written in LLVM IR: FP8
 rows as vectors of 16 bytes (decoded straight into float32 bits) or 32 (through float16), one to four rows of x a
 call; FP4 rows on AVX-512 by a 16-entry table lookup (`vpermps`), on AVX2 by byte lookups (`vpshufb`) of each
-value's bfloat16 bits. Those against bfloat16 inputs are in bf16dots.py."""
+value's bfloat16 bits. Those against bfloat16 inputs are in bf16dots.py, FP4's against 8-bit ones in int8dots.py."""
 
 from __future__ import annotations
 
