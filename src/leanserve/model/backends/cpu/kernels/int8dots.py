@@ -19,15 +19,15 @@ if numba is not None:
 # x comes as int8_x writes it, once per call: each 32-input block of x rounded to q * d (q an integer of at most
 # INT8_MAX in magnitude, d its largest magnitude / INT8_MAX: quant.int8_rounded), q in the order the lookups make
 # values, d / 2 and 12 times the group's sum of q. A row is read 8 groups (128 bytes) a step: its 8 scale bytes as
-# 2^(e - 127), then each pair of groups' 32 code bytes split into low and high nibbles,
-# each nibble looked up (vpshufb) as 2v + 12 for the e2m1 value v (0 to 24: unsigned, as vpmaddubsw takes its
-# first operand), multiplied by q (signed) and added in pairs to 16-bit sums (at most 2 * 24 * 127 each, and the
-# low and high nibbles' sums added: at most 12192), widened and added in fours (vpmaddwd by ones) to 32-bit sums:
-# lanes 0-3 hold the first group's, lanes 4-7 the second's. Minus 12 times the group's sum of q (in lane 0 and 4),
-# the four lanes hold the group's sum of 2v * q exactly; converted to float32 (exact: at most 12 * 127 * 32 in
-# magnitude), times d / 2 (rounded once), then times 2^(e - 127) (exact, unless the product is subnormal) and
-# added to a running float32 sum per lane, two chains by pairs;
-# the lanes are summed at the end. A last step of fewer than 8 groups reads its codes and scales with masked loads.
+# 2^(e - 127), then each pair of groups' 32 code bytes split into low and high nibbles, each nibble looked up
+# (vpshufb) as 2v + 12 for the e2m1 value v (0 to 24: unsigned, as vpmaddubsw takes its first operand), multiplied
+# by q (signed) and added in pairs to 16-bit sums (at most 2 * 24 * 127 each, and the low and high nibbles' sums
+# added: at most 12192), widened and added in fours (vpmaddwd by ones) to 32-bit sums: lanes 0-3 hold the first
+# group's, lanes 4-7 the second's. Minus 12 times the group's sum of q (in lanes 0 and 4), the four lanes hold the
+# group's sum of 2v * q exactly; converted to float32 (exact: at most 12 * 127 * 32 in magnitude), times d / 2
+# (rounded once), then times 2^(e - 127) (exact, unless the product is subnormal), they are added to a running
+# float32 sum per lane, two chains by pairs; the lanes are summed at the end. A last step of fewer than 8 groups
+# reads its codes and scales with masked loads.
 INT8_OFFSET = 12  # (added to 2v so that every looked-up value is unsigned)
 STEP_GROUPS = 8  # groups a step: one load of scale bytes
 
