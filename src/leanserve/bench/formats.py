@@ -348,7 +348,8 @@ def rows_of(inputs: dict[str, str] | None) -> tuple[str, ...]:
 
 def profiled_row(inputs: dict[str, str] | None) -> str:
     """The row that `--profile` times kernel by kernel: the one with rounded inputs when there is one."""
-    return rows_of(inputs)[-1] if len(rows_of(inputs)) > len(FORMATS) else "published"
+    rows = rows_of(inputs)
+    return rows[-1] if len(rows) > len(FORMATS) else "published"
 
 
 def _profile(runner, prompt_len: int, rounds: int) -> tuple[dict, int, float]:
