@@ -12,6 +12,7 @@ from leanserve.bench import formats, hidden_copy, kv, long, pp, prefix, spec, sp
 from leanserve.bench import serve as bench_serve
 from leanserve.bench.options import int_list, prepare
 from leanserve.errors import EngineDied, StageFailure
+from leanserve.model.quant import FP8_INPUTS, INPUTS
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -62,14 +63,14 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fp4-inputs",
         default="float32",
-        choices=["float32", "bfloat16", "int8"],
+        choices=list(INPUTS),
         help="what a published checkpoint's FP4 experts multiply: the activations as they are, rounded to "
         "bfloat16 (faster with AVX512-BF16), or to 8 bits a block of 32 (faster with AVX2; docs/checkpoints.md)",
     )
     p.add_argument(
         "--fp8-inputs",
         default="float32",
-        choices=["float32", "bfloat16"],
+        choices=list(FP8_INPUTS),
         help="the same for its FP8 weights (attention, shared experts)",
     )
 
