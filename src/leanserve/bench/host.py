@@ -153,10 +153,8 @@ def decode_rates(repeats: int = 200) -> dict[str, float]:
     runs = {}
     for suffix, code in (("", 0), (BF16_SUFFIX, BF16_CODE), (INT8_SUFFIX, INT8_CODE)):
         runs["FP4" + suffix] = (lambda c=code: _fp4_rows_jit(x, fp4.packed, fp4.scale, out["FP4"], 1, c), fp4)
-        runs["FP8" + suffix] = (
-            lambda c=code: _fp8_rows_jit(x, fp8.q, fp8.scale, 0, out["FP8"], 1, c == BF16_CODE),
-            fp8,
-        )
+    for suffix, rounded in (("", False), (BF16_SUFFIX, True)):  # (FP8 takes no int8 inputs)
+        runs["FP8" + suffix] = (lambda r=rounded: _fp8_rows_jit(x, fp8.q, fp8.scale, 0, out["FP8"], 1, r), fp8)
     runs["bfloat16"] = (lambda: _linear_rows_jit(x, bf16, out["bfloat16"], 1), bf16)
     runs["float32"] = (lambda: _linear_rows_jit(x, f32, out["float32"], 1), f32)
     rates = {}
