@@ -32,6 +32,19 @@ INT8_OFFSET = 12  # (added to 2v so that every looked-up value is unsigned)
 STEP_GROUPS = 8  # groups a step: one load of scale bytes
 
 
+def q_slot(g, i):  # pragma: no cover - compiled: where int8_x puts input i of group g in a row of xq
+    return 64 * (g // 2) + 16 * (g % 2) + 32 * (i % 2) + i // 2
+
+
+def group_lane(g):  # pragma: no cover - compiled: group g's first of its four lanes in a row of xd and xc
+    return 8 * (g // 2) + 4 * (g % 2)
+
+
+if numba is not None:
+    q_slot = _inlined(q_slot)
+    group_lane = _inlined(group_lane)
+
+
 def int8_x(x, xq, xd, xc, n):  # pragma: no cover - compiled (jitted, without fast-math, in quantized.py)
     """For t < n and every group g (32 inputs) of x[t]: its q (quant.int8_rounded) in xq[t] (int8; per pair of
     groups 64 bytes: the first group's even inputs, the second's even, the first's odd, the second's odd), d / 2 in
@@ -50,12 +63,11 @@ def int8_x(x, xq, xd, xc, n):  # pragma: no cover - compiled (jitted, without fa
             d = np.float32(amax / np.float32(INT8_MAX))
             inv = np.float32(np.float32(INT8_MAX) / amax) if amax > 0 else np.float32(0.0)
             total = 0
-            pair = 64 * (g // 2) + 16 * (g % 2)
             for i in range(FP4_GROUP):
                 q = min(INT8_MAX, max(-INT8_MAX, int(np.rint(np.float32(x[t, base + i] * inv)))))
                 total += q
-                xq[t, pair + 32 * (i % 2) + i // 2] = q
-            lane = 8 * (g // 2) + 4 * (g % 2)
+                xq[t, q_slot(g, i)] = q
+            lane = group_lane(g)
             for lane_ in range(lane, lane + 4):
                 xd[t, lane_] = d * np.float32(0.5)
             xc[t, lane] = INT8_OFFSET * total

@@ -25,7 +25,13 @@ from leanserve.model.backends.cpu.kernels.bf16dots import (
     fp8_bf16_row_dots,
     fp8_bf16_x,
 )
-from leanserve.model.backends.cpu.kernels.int8dots import fp4_int8_row_dots, int8_x, int8_x_shapes
+from leanserve.model.backends.cpu.kernels.int8dots import (
+    fp4_int8_row_dots,
+    group_lane,
+    int8_x,
+    int8_x_shapes,
+    q_slot,
+)
 from leanserve.model.backends.cpu.kernels.linear import (
     ROW_BLOCK,
     _chunk_ends_jit,
@@ -333,9 +339,8 @@ def _int8_rounded(x, n):  # pragma: no cover - compiled: x[:n] rounded to 8 bits
     out = np.empty((n, x.shape[1]), dtype=np.float32)
     for t in range(n):
         for k in range(x.shape[1]):
-            g, i = k // FP4_GROUP, k % FP4_GROUP
-            q = xq[t, 64 * (g // 2) + 16 * (g % 2) + 32 * (i % 2) + i // 2]
-            out[t, k] = np.float32(q) * (xd[t, 8 * (g // 2) + 4 * (g % 2)] * np.float32(2.0))
+            g = k // FP4_GROUP
+            out[t, k] = np.float32(xq[t, q_slot(g, k % FP4_GROUP)]) * (xd[t, group_lane(g)] * np.float32(2.0))
     return out
 
 
