@@ -295,9 +295,9 @@ def test_fp4_few_rows_match_the_dequantized_weight(rows, in_features, inputs):
     # The few-row FP4 reader (decode, verification; this host's: AVX-512, AVX2 or neither): whole 128-value chunks
     # (four at a time and alone), a last chunk of 1-3 groups, every code, scales from 2^-127 (UE8M0 0) to 2^13:
     # each output is x . W dequantized, up to float32 rounding of its sum; with bfloat16 inputs (vdpbf16ps on
-    # AVX512-BF16) x rounded to bfloat16 by torch, with int8 (integer multiply-adds on AVX2: steps of 256 inputs and
-    # a last one of 1-7 groups) to 8 bits a block by quant.int8_rounded. Five rows take the decoded blocks through
-    # the tiles.
+    # AVX512-BF16) x rounded to bfloat16 by torch, with int8 (integer multiply-adds on AVX-512 VNNI or AVX2: steps of
+    # 256 inputs and a last one of 1-7 groups) to 8 bits a block by quant.int8_rounded. Five rows take the decoded
+    # blocks through the tiles.
     from leanserve.model.backends.cpu.kernels.quantized import _fp4_rows_jit
     from leanserve.model.quant import INPUT_CODES, INPUTS, Fp4Weight, int8_rounded
 
@@ -340,6 +340,43 @@ def test_fp4_few_rows_give_each_row_its_bits_alone(in_features, code):
         out = np.empty((rows, 37), dtype=np.float32)
         _fp4_rows_jit(x[:rows], packed, scale, out, rows, code)
         assert np.array_equal(out, alone[:rows]), rows
+
+
+@pytest.mark.skipif(
+    not cpu_kernels.rowdots._AVX512_INT8, reason="the AVX-512 int8 dots need AVX512-VNNI and AVX512-VBMI"
+)
+@pytest.mark.parametrize("xrows", [1, 2, 3, 4])
+def test_fp4_int8_dots_give_the_same_bits_on_avx512_and_avx2(xrows):
+    # The int8-inputs FP4 dots on AVX-512 (vpermb lookups, vpdpbusd: four groups a vector) sum each group and lane
+    # in the order the AVX2 ones do (two groups a vector, two chains): the same bits, over whole steps of 256
+    # inputs and a last step of 1-7 groups, scales from 2^-127 to 2^13 (the host's, AVX-512 here, are held to the
+    # dequantized weight above).
+    from leanserve.model.backends.cpu.kernels.base import _jit
+    from leanserve.model.backends.cpu.kernels.int8dots import fp4_int8_row_dots
+    from leanserve.model.backends.cpu.kernels.quantized import _fp4_walk, _int8_inputs
+
+    def rows(wide):  # (x rounded and laid out, then every weight row)
+        walk = _fp4_walk(fp4_int8_row_dots(xrows, wide))
+
+        def run(packed, s, x, out):  # pragma: no cover - compiled
+            walk(packed, s, _int8_inputs(x, x.shape[0]), out, out.shape[1])
+
+        return _jit(run)
+
+    gen = torch.Generator().manual_seed(xrows)
+    packed = torch.randint(0, 256, (37, 2048 + 112), dtype=torch.uint8, generator=gen).numpy()
+    scale = torch.randint(100, 141, (37, (4096 + 224) // 32), dtype=torch.uint8, generator=gen).numpy()
+    scale[0] = 0
+    for k_dim in (224, 256, 4096 + 224):
+        x = torch.randn(xrows, k_dim, generator=gen).numpy()
+        outs = []
+        for wide in (True, False):
+            out = np.empty((xrows, 37), dtype=np.float32)
+            rows(wide)(
+                np.ascontiguousarray(packed[:, : k_dim // 2]), np.ascontiguousarray(scale[:, : k_dim // 32]), x, out
+            )
+            outs.append(out)
+        assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), k_dim
 
 
 _WITHOUT = """
@@ -435,7 +472,7 @@ def test_fp4_inputs_round_to_bfloat16_as_torch_does():
 def test_fp4_inputs_round_to_8_bits_as_torch_does():
     # The kernels' rounding of x to 8 bits a block of 32 (--fp4-inputs int8) gives quant.int8_rounded's values: a
     # block of zeros, one whose largest magnitude is negative, one of ties (x * 127 / amax exactly
-    # k + 0.5: to even), one of tiny and one of huge values, random ones; and the layout the AVX2 dots read.
+    # k + 0.5: to even), one of tiny and one of huge values, random ones; and the layout the int8 dots read.
     from leanserve.model.backends.cpu.kernels.int8dots import int8_x_shapes
     from leanserve.model.backends.cpu.kernels.quantized import _int8_rounded_jit, _int8_x_jit
     from leanserve.model.quant import INT8_MAX, int8_rounded
@@ -458,13 +495,13 @@ def test_fp4_inputs_round_to_8_bits_as_torch_does():
     xq, xd, xc = np.full((2, wq), 9, np.int8), np.full((2, wd), 9, np.float32), np.full((2, wc), 9, np.int32)
     _int8_x_jit(x, xq, xd, xc, 2)
     g, i = np.arange(7)[:, None], np.arange(32)[None, :]
-    at = 64 * (g // 2) + 16 * (g % 2) + 32 * (i % 2) + i // 2  # (a group pair's evens, then its odds)
-    lanes = 8 * (g // 2) + 4 * (g % 2) + np.arange(4)[None, :]  # (a group's four lanes of xd and xc)
+    at = 128 * (g // 4) + 16 * (g % 4) + 64 * (i % 2) + i // 2  # (four groups' evens, then their odds)
+    lanes = 4 * g + np.arange(4)[None, :]  # (a group's four lanes of xd and xc)
     d = 2 * xd[:, lanes]  # [2, 7, 4]
     q = np.rint(want.reshape(2, 7, 32) / np.where(d > 0, d, 1)[..., :1])
     assert (d == d[..., :1]).all() and np.array_equal(xq[:, at], q) and (np.abs(q) <= INT8_MAX).all()
     assert (np.delete(xq, at.ravel(), axis=1) == 0).all() and (np.delete(xd, lanes.ravel(), axis=1) == 0).all()
-    assert np.array_equal(xc[:, lanes[:, 0]], 12 * q.sum(axis=-1)) and (xc[:, lanes[:, 1:]] == 0).all()
+    assert np.array_equal(xc[:, lanes[:, 0]], -12 * q.sum(axis=-1)) and (xc[:, lanes[:, 1:]] == 0).all()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 7])

@@ -9,7 +9,13 @@ import functools
 import numpy as np
 
 from leanserve.model.backends.cpu.kernels.base import _inlined, numba
-from leanserve.model.backends.cpu.kernels.rowdots import _AVX2, _masked_load, _store_sums, _ue8m0_bits
+from leanserve.model.backends.cpu.kernels.rowdots import (
+    _AVX2,
+    _AVX512_INT8,
+    _masked_load,
+    _store_sums,
+    _ue8m0_bits,
+)
 from leanserve.model.backends.cpu.kernels.simd import _prefetch, _splat
 from leanserve.model.quant import FP4_GROUP, FP4_VALUES, INT8_MAX
 
@@ -18,26 +24,29 @@ if numba is not None:
 
 # x comes as int8_x writes it, once per call: each 32-input block of x rounded to q * d (q an integer of at most
 # INT8_MAX in magnitude, d its largest magnitude / INT8_MAX: quant.int8_rounded), q in the order the lookups make
-# values, d / 2 and 12 times the group's sum of q. A row is read 8 groups (128 bytes) a step: its 8 scale bytes as
-# 2^(e - 127), then each pair of groups' 32 code bytes split into low and high nibbles, each nibble looked up
-# (vpshufb) as 2v + 12 for the e2m1 value v (0 to 24: unsigned, as vpmaddubsw takes its first operand), multiplied
-# by q (signed) and added in pairs to 16-bit sums (at most 2 * 24 * 127 each, and the low and high nibbles' sums
-# added: at most 12192), widened and added in fours (vpmaddwd by ones) to 32-bit sums: lanes 0-3 hold the first
-# group's, lanes 4-7 the second's. Minus 12 times the group's sum of q (in lanes 0 and 4), the four lanes hold the
-# group's sum of 2v * q exactly; converted to float32 (exact: at most 12 * 127 * 32 in magnitude), times d / 2
-# (rounded once), then times 2^(e - 127) (exact, unless the product is subnormal), they are added to a running
-# float32 sum per lane, two chains by pairs; the lanes are summed at the end. A last step of fewer than 8 groups
-# reads its codes and scales with masked loads.
+# values, d / 2 and -12 times the group's sum of q. A row is read 8 groups (128 bytes) a step: its 8 scale bytes as
+# 2^(e - 127), then its code bytes a vector at a time (AVX2: 32 bytes, two groups; AVX-512: 64 bytes, four), split
+# into low and high nibbles, each nibble looked up as 2v + 12 for the e2m1 value v (0 to 24: unsigned, as the
+# multiply-adds take their first operand) and multiplied by q (signed), four adjacent products added into each
+# 32-bit lane: on AVX2 pairs into 16-bit sums (vpmaddubsw; at most 2 * 24 * 127 each, and the low and high nibbles'
+# sums added: at most 12192), then pairs of those (vpmaddwd by ones); on AVX-512 with VNNI straight into the lane
+# (vpdpbusd, the lane starting from -12 * sum(q) and taking the high nibbles' products after the low ones). A
+# group's four lanes then hold its sum of 2v * q exactly (the offset taken back, in its first lane); converted to
+# float32 (exact: at most 12 * 127 * 32 in magnitude), times d / 2 (rounded once), then times 2^(e - 127) (exact,
+# unless the product is subnormal), they are added to a running float32 sum per lane: on AVX2 two chains of 8
+# lanes, a pair of groups to each in turn, on AVX-512 one of 16 lanes holding the same two chains side by side
+# (lanes 0-7 the first pair of four groups, 8-15 the second), so both give the same bits; the lanes are summed at
+# the end. A last step of fewer than 8 groups reads its codes and scales with masked loads.
 INT8_OFFSET = 12  # (added to 2v so that every looked-up value is unsigned)
 STEP_GROUPS = 8  # groups a step: one load of scale bytes
 
 
 def q_slot(g, i):  # pragma: no cover - compiled: where int8_x puts input i of group g in a row of xq
-    return 64 * (g // 2) + 16 * (g % 2) + 32 * (i % 2) + i // 2
+    return 128 * (g // 4) + 16 * (g % 4) + 64 * (i % 2) + i // 2
 
 
 def group_lane(g):  # pragma: no cover - compiled: group g's first of its four lanes in a row of xd and xc
-    return 8 * (g // 2) + 4 * (g % 2)
+    return 4 * g
 
 
 if numba is not None:
@@ -46,10 +55,10 @@ if numba is not None:
 
 
 def int8_x(x, xq, xd, xc, n):  # pragma: no cover - compiled (jitted, without fast-math, in quantized.py)
-    """For t < n and every group g (32 inputs) of x[t]: its q (quant.int8_rounded) in xq[t] (int8; per pair of
-    groups 64 bytes: the first group's even inputs, the second's even, the first's odd, the second's odd), d / 2 in
-    the four lanes xd[t, 8 * (g // 2) + 4 * (g % 2) + l] (float32, l < 4) and 12 * sum(q) in the first of the same
-    four of xc[t] (int32; the other three 0). Past x's groups, up to the arrays' ends: zeros."""
+    """For t < n and every group g (32 inputs) of x[t]: its q (quant.int8_rounded) in xq[t] (int8; per four groups
+    128 bytes: each group's 16 even inputs in turn, then their odd ones), d / 2 in the four lanes xd[t, 4g + l]
+    (float32, l < 4) and -12 * sum(q) in the first of the same four of xc[t] (int32; the other three 0). Past x's
+    groups, up to the arrays' ends: zeros."""
     groups = x.shape[1] // FP4_GROUP
     xq[:n] = 0
     xd[:n] = 0.0
@@ -70,7 +79,7 @@ def int8_x(x, xq, xd, xc, n):  # pragma: no cover - compiled (jitted, without fa
             lane = group_lane(g)
             for lane_ in range(lane, lane + 4):
                 xd[t, lane_] = d * np.float32(0.5)
-            xc[t, lane] = INT8_OFFSET * total
+            xc[t, lane] = -INT8_OFFSET * total
 
 
 def int8_x_shapes(k_dim):  # pragma: no cover - compiled
@@ -84,50 +93,79 @@ if numba is not None:
 
 
 @functools.cache
-def fp4_int8_row_dots(xrows: int = 1):
-    """The intrinsic `dots(packed, s, row, xq, xd, xc, out, j)` on AVX2: out[t, j] = sum over the groups g of W's
-    row `row` of 2^(e - 127) * d_g * sum_i v_i * q_i for t < xrows, W FP4 as for rowdots.fp4_row_dots, x as
-    int8_x writes it; the rows of x share each looked-up pair of groups. None without AVX2."""
-    return _make_dots(xrows) if numba is not None and _AVX2 else None
+def fp4_int8_row_dots(xrows: int = 1, wide: bool | None = None):
+    """The intrinsic `dots(packed, s, row, xs, out, j)` on AVX-512 with VNNI (`wide`, the host's choice by default)
+    or AVX2: out[t, j] = sum over the groups g of W's row `row` of 2^(e - 127) * d_g * sum_i v_i * q_i for
+    t < xrows, W FP4 as for rowdots.fp4_row_dots, x as int8_x writes it (xs = (xq, xd, xc)); the rows of x share
+    each looked-up vector of codes; the same bits either way. None where the host has neither."""
+    wide = _AVX512_INT8 if wide is None else wide
+    if numba is None or not (_AVX512_INT8 if wide else _AVX2):
+        return None
+    return _make_dots(xrows, wide)
 
 
-def _make_dots(xrows: int):
+def _make_dots(xrows: int, wide: bool):
+    lanes_ = 16 if wide else 8  # (32-bit lanes a vector)
+    per = lanes_ // 4  # (groups a vector)
+
     @numba.extending.intrinsic
-    def dots(typingctx, packed, s, row, xq, xd, xc, out, j):
+    def dots(typingctx, packed, s, row, xs, out, j):
         from numba.core import cgutils
 
         def codegen(context, builder, signature, args):
-            pk_t, s_t, _, xq_t, xd_t, xc_t, o_t, _ = signature.args
-            pk, sc, qa, da, ca, oa = [
-                context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 3, 4, 5, 6)
+            pk_t, s_t, _, xs_t, o_t, _ = signature.args
+            pk, sc, oa = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 4)]
+            xq_t, xd_t, xc_t = xs_t.types
+            qa, da, ca = [
+                context.make_array(xs_t.types[i])(context, builder, builder.extract_value(args[3], i)) for i in range(3)
             ]
-            row_, j_ = args[2], args[7]
+            row_, j_ = args[2], args[5]
             f32, i32, i16, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(16), ir.IntType(8)
-            v8f, v8i, v16h, v32b = (ir.VectorType(t, c) for t, c in ((f32, 8), (i32, 8), (i16, 16), (i8, 32)))
+            vf, vi, vh, vb = (
+                ir.VectorType(t, c) for t, c in ((f32, lanes_), (i32, lanes_), (i16, 2 * lanes_), (i8, 4 * lanes_))
+            )
             intp = context.get_value_type(numba.types.intp)
             fast = ("contract",)
-            fn = ir.FunctionType
 
             def intrinsic(name, ret, *params):
-                return cgutils.get_or_insert_function(builder.module, fn(ret, list(params)), name)
+                return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, list(params)), name)
 
-            lookup = intrinsic("llvm.x86.avx2.pshuf.b", v32b, v32b, v32b)
-            madd_bytes = intrinsic("llvm.x86.avx2.pmadd.ub.sw", v16h, v32b, v32b)
-            madd_words = intrinsic("llvm.x86.avx2.pmadd.wd", v8i, v16h, v16h)
-            spread = intrinsic("llvm.x86.avx2.permps", v8f, v8f, v8i)
-            table = [int(2 * v) + INT8_OFFSET for v in FP4_VALUES] * 2
-            lut = ir.Constant(v32b, table)
-            nibble = ir.Constant(v32b, [15] * 32)
-            ones = ir.Constant(v16h, [1] * 16)
-            picks = [ir.Constant(v8i, [2 * p] * 4 + [2 * p + 1] * 4) for p in range(STEP_GROUPS // 2)]
+            table = [int(2 * v) + INT8_OFFSET for v in FP4_VALUES]
+            four = ir.Constant(vh, [4] * (2 * lanes_))
+            if wide:  # (vpermb reads an index's low 6 bits: a 64-entry table of the 16 values four times over)
+                permute = intrinsic("llvm.x86.avx512.permvar.qi.512", vb, vb, vb)
+                lut = ir.Constant(vb, table * 4)
+                multiply_add = intrinsic("llvm.x86.avx512.vpdpbusd.512", vi, vi, vb, vb)
+
+                def values(codes):  # (the low nibbles, then the high ones shifted down: other bits above them)
+                    high = builder.bitcast(builder.lshr(builder.bitcast(codes, vh), four), vb)
+                    return builder.call(permute, [lut, codes]), builder.call(permute, [lut, high])
+
+                def sums(low, high, evens, odds, start):
+                    return builder.call(multiply_add, [builder.call(multiply_add, [start, low, evens]), high, odds])
+            else:
+                lookup = intrinsic("llvm.x86.avx2.pshuf.b", vb, vb, vb)
+                madd_bytes = intrinsic("llvm.x86.avx2.pmadd.ub.sw", vh, vb, vb)
+                madd_words = intrinsic("llvm.x86.avx2.pmadd.wd", vi, vh, vh)
+                lut = ir.Constant(vb, table * 2)
+                nibble = ir.Constant(vb, [15] * 32)
+                ones = ir.Constant(vh, [1] * 16)
+
+                def values(codes):
+                    high = builder.and_(builder.bitcast(builder.lshr(builder.bitcast(codes, vh), four), vb), nibble)
+                    return builder.call(lookup, [lut, builder.and_(codes, nibble)]), builder.call(lookup, [lut, high])
+
+                def sums(low, high, evens, odds, start):
+                    words = builder.add(builder.call(madd_bytes, [low, evens]), builder.call(madd_bytes, [high, odds]))
+                    return builder.add(builder.call(madd_words, [words, ones]), start)
 
             groups = builder.extract_value(sc.shape, 1)
             steps = builder.udiv(groups, ir.Constant(intp, STEP_GROUPS))
             left = builder.trunc(builder.sub(groups, builder.mul(steps, ir.Constant(intp, STEP_GROUPS))), i32)
-            chains = {
-                (t, c): cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8))
+            chains = {  # (AVX2: a chain for each of a step's even and odd pairs of groups; AVX-512: both as one)
+                (t, c): cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes_))
                 for t in range(xrows)
-                for c in range(2)
+                for c in range(2 if per == 2 else 1)
             }
 
             def at(arr_t, arr, *idx):
@@ -145,46 +183,43 @@ def _make_dots(xrows: int):
 
             def step(g0, tail):  # groups g0 .. g0 + 7 (`tail`: the row's last `left` of them)
                 sp = at(s_t, sc, row_, g0)
+                v8i = ir.VectorType(i32, 8)
                 if tail:
                     mask = builder.icmp_unsigned("<", ir.Constant(v8i, list(range(8))), _splat(builder, left, 8))
                     e = _masked_load(builder, sp, ir.VectorType(i8, 8), mask)
                 else:
                     e = vector(sp, ir.VectorType(i8, 8))
-                w_scales = builder.bitcast(_ue8m0_bits(builder, builder.zext(e, v8i)), v8f)
+                w_scales = builder.bitcast(_ue8m0_bits(builder, builder.zext(e, v8i)), ir.VectorType(f32, 8))
                 accs = {key: builder.load(chains[key]) for key in chains}
-                for p in range(STEP_GROUPS // 2):
-                    g = builder.add(g0, ir.Constant(intp, 2 * p))
+                for v in range(STEP_GROUPS // per):
+                    g = builder.add(g0, ir.Constant(intp, per * v))  # (the vector's first group)
                     bp = at(pk_t, pk, row_, builder.mul(g, ir.Constant(intp, FP4_GROUP // 2)))
                     if tail:  # (4 dwords a group: those of the first `left` groups)
                         lanes = builder.icmp_unsigned(
                             "<",
-                            ir.Constant(v8i, [2 * p * 4 + i for i in range(8)]),
-                            builder.mul(_splat(builder, left, 8), ir.Constant(v8i, [4] * 8)),
+                            ir.Constant(vi, [per * v * 4 + i for i in range(lanes_)]),
+                            builder.mul(_splat(builder, left, lanes_), ir.Constant(vi, [4] * lanes_)),
                         )
-                        codes = builder.bitcast(_masked_load(builder, bp, v8i, lanes), v32b)
+                        codes = builder.bitcast(_masked_load(builder, bp, vi, lanes), vb)
                     else:
-                        if p % 2 == 0:  # (once per 64-byte line)
+                        if wide or v % 2 == 0:  # (once per 64-byte line)
                             _prefetch(builder, bp)
-                        codes = vector(bp, v32b)
-                    low = builder.call(lookup, [lut, builder.and_(codes, nibble)])
-                    high_nibbles = builder.and_(
-                        builder.bitcast(builder.lshr(builder.bitcast(codes, v16h), ir.Constant(v16h, [4] * 16)), v32b),
-                        nibble,
+                        codes = vector(bp, vb)
+                    low, high = values(codes)
+                    # (q_slot: the vector's evens at 128 * (g // 4) + 16 * (g % 4), its odds 64 bytes on)
+                    evens_at = builder.add(
+                        builder.mul(g0, ir.Constant(intp, FP4_GROUP)),
+                        ir.Constant(intp, 128 * (per * v // 4) + 16 * (per * v % 4)),
                     )
-                    high = builder.call(lookup, [lut, high_nibbles])
-                    xk = builder.mul(g, ir.Constant(intp, FP4_GROUP))
-                    lanes4 = builder.mul(g, ir.Constant(intp, 4))
-                    w_scale = builder.call(spread, [w_scales, picks[p]])  # (each group's over its four lanes)
+                    lanes_at = builder.mul(g, ir.Constant(intp, 4))
+                    spread = [per * v + lane // 4 for lane in range(lanes_)]  # (each group's scale over its lanes)
+                    w_scale = builder.shuffle_vector(w_scales, w_scales, ir.Constant(vi, spread))
                     for t in range(xrows):
-                        evens = vector(at(xq_t, qa, t, xk), v32b)
-                        odds = vector(at(xq_t, qa, t, builder.add(xk, ir.Constant(intp, 32))), v32b)
-                        words = builder.add(
-                            builder.call(madd_bytes, [low, evens]), builder.call(madd_bytes, [high, odds])
-                        )
-                        sums = builder.call(madd_words, [words, ones])
-                        exact = builder.sub(sums, vector(at(xc_t, ca, t, lanes4), v8i))
-                        times_d = builder.fmul(builder.sitofp(exact, v8f), vector(at(xd_t, da, t, lanes4), v8f))
-                        c = (t, p % 2)
+                        evens = vector(at(xq_t, qa, t, evens_at), vb)
+                        odds = vector(at(xq_t, qa, t, builder.add(evens_at, ir.Constant(intp, 64))), vb)
+                        exact = sums(low, high, evens, odds, vector(at(xc_t, ca, t, lanes_at), vi))
+                        times_d = builder.fmul(builder.sitofp(exact, vf), vector(at(xd_t, da, t, lanes_at), vf))
+                        c = (t, v % 2 if per == 2 else 0)
                         accs[c] = builder.fadd(accs[c], builder.fmul(times_d, w_scale, flags=fast), flags=fast)
                 for key in chains:
                     builder.store(accs[key], chains[key])
@@ -193,15 +228,18 @@ def _make_dots(xrows: int):
                 step(builder.mul(loop.index, ir.Constant(intp, STEP_GROUPS)), False)
             with builder.if_then(builder.icmp_unsigned("!=", left, ir.Constant(i32, 0))):
                 step(builder.mul(steps, ir.Constant(intp, STEP_GROUPS)), True)
-            totals = {}
-            for t in range(xrows):  # (the two chains side by side as one <16 x float>)
-                both = [builder.load(chains[(t, c)]) for c in range(2)]
-                totals[(0, t)] = cgutils.alloca_once_value(
-                    builder, builder.shuffle_vector(*both, ir.Constant(ir.VectorType(i32, 16), list(range(16))))
-                )
+            if wide:
+                totals = {(0, t): chains[(t, 0)] for t in range(xrows)}
+            else:
+                totals = {}
+                for t in range(xrows):  # (the two chains side by side as one <16 x float>)
+                    both = [builder.load(chains[(t, c)]) for c in range(2)]
+                    totals[(0, t)] = cgutils.alloca_once_value(
+                        builder, builder.shuffle_vector(*both, ir.Constant(ir.VectorType(i32, 16), list(range(16))))
+                    )
             _store_sums(context, builder, o_t, oa, j_, totals)
             return context.get_dummy_value()
 
-        return numba.types.void(packed, s, row, xq, xd, xc, out, j), codegen
+        return numba.types.void(packed, s, row, xs, out, j), codegen
 
     return dots

@@ -167,26 +167,14 @@ if numba is not None:
 # the loop. (With it chosen per row, the loop held all four row dots' code, and the MoE's FP4 experts read 15%
 # slower from memory: 3.16 against 2.67 ms for six experts on two threads.)
 def _fp4_walk(dots):
-    """out[:, row] for every row < m of an FP4 weight (packed, s), by the row dots `dots` (fp4_row_dots(1, t) or
-    fp4_bf16_row_dots(t)) against x as they take it (xq)."""
+    """out[:, row] for every row < m of an FP4 weight (packed, s), by the row dots `dots` (fp4_row_dots(1, t),
+    fp4_bf16_row_dots(t) or fp4_int8_row_dots(t)) against x as they take it (xq: an array, or int8_x's three)."""
     if dots is None:
         return None
 
     def walk(packed, s, xq, out, m):  # pragma: no cover - compiled
         for row in range(m):
             dots(packed, s, row, xq, out, row)
-
-    return _inlined(walk)
-
-
-def _int8_walk(dots):
-    """out[:, row] for every row < m of an FP4 weight by fp4_int8_row_dots(t), x as int8_x lays it out."""
-    if dots is None:
-        return None
-
-    def walk(packed, s, xq, xd, xc, out, m):  # pragma: no cover - compiled
-        for row in range(m):
-            dots(packed, s, row, xq, xd, xc, out, row)
 
     return _inlined(walk)
 
@@ -303,7 +291,7 @@ _FP8B_8 = _fp8_walk(fp8_bf16_row_dots(1, 8), 1, fp8_bf16_row_dots(1, 8)) if numb
 _FP4_1, _FP4_2, _FP4_3, _FP4_4 = [_fp4_walk(fp4_row_dots(1, t)) for t in (1, 2, 3, 4)]  # (None without AVX2)
 _FP4_ORDER = fp4_order(_AVX512)  # (the order of x they read)
 _FP4B_1, _FP4B_2, _FP4B_3, _FP4B_4 = [_fp4_walk(fp4_bf16_row_dots(t)) for t in (1, 2, 3, 4)]  # (or AVX512-BF16)
-_FP4I_1, _FP4I_2, _FP4I_3, _FP4I_4 = [_int8_walk(fp4_int8_row_dots(t)) for t in (1, 2, 3, 4)]  # (or AVX2)
+_FP4I_1, _FP4I_2, _FP4I_3, _FP4I_4 = [_fp4_walk(fp4_int8_row_dots(t)) for t in (1, 2, 3, 4)]  # (or AVX2)
 _fp4_permuted_x_jit = _jit(fp4_permuted_x)
 _int8_x_jit = _jit(int8_x, fastmath=False)  # (x * (127 / amax) and its rounding as written: quant.int8_rounded)
 _fp4_bf16_x_jit = _jit(fp4_bf16_x)
@@ -496,15 +484,15 @@ def _fp4_rows(x, packed, s, out, n, inputs):  # pragma: no cover - compiled
     step = FP4_GROUP // 2
     padded = (2 * half + FP4_CHUNK - 1) // FP4_CHUNK * FP4_CHUNK  # (x's length rounded up to whole chunks)
     if inputs == INT8_CODE and n <= 4 and _FP4I_1 is not None:  # x rounded and laid out once (int8_x)
-        xq, xd, xc = _int8_inputs(x, n)
+        xi = _int8_inputs(x, n)
         if n == 1:
-            _FP4I_1(packed, s, xq, xd, xc, out, m)
+            _FP4I_1(packed, s, xi, out, m)
         elif n == 2:
-            _FP4I_2(packed, s, xq, xd, xc, out, m)
+            _FP4I_2(packed, s, xi, out, m)
         elif n == 3:
-            _FP4I_3(packed, s, xq, xd, xc, out, m)
+            _FP4I_3(packed, s, xi, out, m)
         else:
-            _FP4I_4(packed, s, xq, xd, xc, out, m)
+            _FP4I_4(packed, s, xi, out, m)
         return
     if inputs == INT8_CODE:  # (the same rounding, then float32 products elsewhere)
         x = _int8_rounded_jit(x, n)

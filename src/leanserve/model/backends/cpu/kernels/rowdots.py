@@ -148,7 +148,7 @@ def _make_fp8_dots(rows: int, xrows: int, half: bool):
 # four chunks at a time, one shuffle spreading each chunk's over its lanes). A last chunk of 1-3 groups is read
 # with masked loads (missing codes read as 0, x padded with zeros). Without AVX2 the loop in _fp4_rows does the
 # same math in an order of its own.
-_AVX512 = _AVX512_BF16 = _AVX2 = _F16C = _SUBNORMALS_CHEAP = False
+_AVX512 = _AVX512_BF16 = _AVX512_INT8 = _AVX2 = _F16C = _SUBNORMALS_CHEAP = False
 _HOST_CPU = ""  # (LLVM's name for this host's CPU kind)
 if numba is not None:
     import llvmlite.binding as _llvm
@@ -158,6 +158,9 @@ if numba is not None:
     _AVX512 = bool(_features.get("avx512f", False))
     _AVX2 = bool(_features.get("avx2", False))
     _AVX512_BF16 = _AVX512 and bool(_features.get("avx512bf16", False))
+    # byte permutes (vpermb) and VNNI (vpdpbusd), which int8dots' AVX-512 form takes: Ice Lake and later Intel
+    # cores, AMD's Zen 4 and later
+    _AVX512_INT8 = _AVX512 and all(_features.get(f, False) for f in ("avx512bw", "avx512vbmi", "avx512vnni"))
     _F16C = bool(_features.get("f16c", False))  # (vcvtph2ps, which fp8_row_dots' `half` decode needs)
     # AMD's Zen 3 and Zen 4 cores multiply the few float32 subnormals of FP8 weights without a measurable cost
     # (Intel's take a microcode assist for each) and widen float16 slowly: there the FP8 row dots decode straight
