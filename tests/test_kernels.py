@@ -401,8 +401,8 @@ import torch
 from leanserve.model.backends.cpu.kernels import quantized
 from leanserve.model.quant import int8_rounded, quantize_fp4, quantize_fp8
 
-assert quantized._FP4B_1 is None and quantized._FP8B_1 is None
-assert (quantized._FP4_1 is None) == (quantized._FP4I_1 is None) == (not features().get("avx2", False))
+assert quantized._FP4B_FEW is None and quantized._FP8B_1 is None
+assert (quantized._FP4_FEW is None) == (quantized._FP4I_FEW is None) == (not features().get("avx2", False))
 w8 = quantize_fp8(torch.randn(40, 300))
 for n in (1, 2, 5):
     x = torch.randn(n, 300)

@@ -179,6 +179,27 @@ def _fp4_walk(dots):
     return _inlined(walk)
 
 
+def _fp4_walks(row_dots):
+    """out[:n, row] for every row < m of an FP4 weight, n = 1 to 4, by the walk of row_dots(n): one call, the count
+    of rows of x chosen once (row_dots(n): fp4_row_dots(1, n), fp4_bf16_row_dots(n) or fp4_int8_row_dots(n))."""
+    walks = [_fp4_walk(row_dots(t)) for t in (1, 2, 3, 4)]
+    if walks[0] is None:
+        return None
+    one, two, three, four = walks
+
+    def walk(packed, s, xq, out, m, n):  # pragma: no cover - compiled
+        if n == 1:
+            one(packed, s, xq, out, m)
+        elif n == 2:
+            two(packed, s, xq, out, m)
+        elif n == 3:
+            three(packed, s, xq, out, m)
+        else:
+            four(packed, s, xq, out, m)
+
+    return _inlined(walk)
+
+
 def _fp8_walk(wide_dots, width, one_dots):
     """out[:, :m] (m = out's width) for FP8 weight rows r0 .. r0 + m by the row dots (fp8_row_dots or
     fp8_bf16_row_dots): `width` rows at a time by `wide_dots` within a 128-row scale block where `wide`, else one
@@ -288,10 +309,10 @@ else:
 _FP8B_1, _FP8B_2, _FP8B_3, _FP8B_4 = _fp8_walks(fp8_bf16_row_dots) if numba is not None else [None] * 4
 # and eight rows of x, a weight row at a time (five to seven come padded with rows of zeros: _fp8_inputs)
 _FP8B_8 = _fp8_walk(fp8_bf16_row_dots(1, 8), 1, fp8_bf16_row_dots(1, 8)) if numba is not None else None
-_FP4_1, _FP4_2, _FP4_3, _FP4_4 = [_fp4_walk(fp4_row_dots(1, t)) for t in (1, 2, 3, 4)]  # (None without AVX2)
+_FP4_FEW = _fp4_walks(lambda t: fp4_row_dots(1, t))  # (None without AVX2)
 _FP4_ORDER = fp4_order(_AVX512)  # (the order of x they read)
-_FP4B_1, _FP4B_2, _FP4B_3, _FP4B_4 = [_fp4_walk(fp4_bf16_row_dots(t)) for t in (1, 2, 3, 4)]  # (or AVX512-BF16)
-_FP4I_1, _FP4I_2, _FP4I_3, _FP4I_4 = [_fp4_walk(fp4_int8_row_dots(t)) for t in (1, 2, 3, 4)]  # (or AVX2)
+_FP4B_FEW = _fp4_walks(fp4_bf16_row_dots)  # (None without AVX512-BF16)
+_FP4I_FEW = _fp4_walks(fp4_int8_row_dots)  # (None without AVX2)
 _fp4_permuted_x_jit = _jit(fp4_permuted_x)
 _int8_x_jit = _jit(int8_x, fastmath=False)  # (x * (127 / amax) and its rounding as written: quant.int8_rounded)
 _fp4_bf16_x_jit = _jit(fp4_bf16_x)
@@ -483,16 +504,8 @@ def _fp4_rows(x, packed, s, out, n, inputs):  # pragma: no cover - compiled
     m, half = out.shape[1], packed.shape[1]
     step = FP4_GROUP // 2
     padded = (2 * half + FP4_CHUNK - 1) // FP4_CHUNK * FP4_CHUNK  # (x's length rounded up to whole chunks)
-    if inputs == INT8_CODE and n <= 4 and _FP4I_1 is not None:  # x rounded and laid out once (int8_x)
-        xi = _int8_inputs(x, n)
-        if n == 1:
-            _FP4I_1(packed, s, xi, out, m)
-        elif n == 2:
-            _FP4I_2(packed, s, xi, out, m)
-        elif n == 3:
-            _FP4I_3(packed, s, xi, out, m)
-        else:
-            _FP4I_4(packed, s, xi, out, m)
+    if inputs == INT8_CODE and n <= 4 and _FP4I_FEW is not None:  # x rounded and laid out once (int8_x)
+        _FP4I_FEW(packed, s, _int8_inputs(x, n), out, m, n)
         return
     if inputs == INT8_CODE:  # (the same rounding, then float32 products elsewhere)
         x = _int8_rounded_jit(x, n)
@@ -500,29 +513,15 @@ def _fp4_rows(x, packed, s, out, n, inputs):  # pragma: no cover - compiled
     if bf16 and n <= 4 and _AVX512_BF16:  # x rounded and permuted once (fp4_bf16_x), then a row at a time
         xb = _empty64_u16(n, padded)
         _fp4_bf16_x_jit(x, xb, n)
-        if n == 1:
-            _FP4B_1(packed, s, xb, out, m)
-        elif n == 2:
-            _FP4B_2(packed, s, xb, out, m)
-        elif n == 3:
-            _FP4B_3(packed, s, xb, out, m)
-        else:
-            _FP4B_4(packed, s, xb, out, m)
+        _FP4B_FEW(packed, s, xb, out, m, n)
         return
     if bf16:  # (the same products in float32 elsewhere)
         x = _bf16_rounded_jit(x, n)
-    if n <= 4 and _FP4_1 is not None:  # a few rows: x permuted once (fp4_permuted_x), then a weight row at a time, each
-        # decoded chunk meeting every row of x
+    if n <= 4 and _FP4_FEW is not None:  # a few rows: x permuted once (fp4_permuted_x), then a weight row at a time,
+        # each decoded chunk meeting every row of x
         xp = _empty64_f32(n, padded)
         _fp4_permuted_x_jit(x, xp, n, _FP4_ORDER)
-        if n == 1:
-            _FP4_1(packed, s, xp, out, m)
-        elif n == 2:
-            _FP4_2(packed, s, xp, out, m)
-        elif n == 3:
-            _FP4_3(packed, s, xp, out, m)
-        else:
-            _FP4_4(packed, s, xp, out, m)
+        _FP4_FEW(packed, s, xp, out, m, n)
         return
     if n <= 4:  # the same without AVX2: x's even and odd elements apart, then per row its groups' sums
         xe = np.empty((n, half), dtype=np.float32)
