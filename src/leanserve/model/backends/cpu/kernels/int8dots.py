@@ -1,6 +1,7 @@
 """FP4 row dot products against x rounded to 8 bits a block of 32 (`--fp4-inputs int8`, quant.int8_rounded), at
-one to four rows of x, in LLVM IR on AVX2: byte lookups of each code's value and integer multiply-adds
-(`vpmaddubsw`, `vpmaddwd`), exact within a group; each group's integer sum times its two scales in float32."""
+one to four rows of x, in LLVM IR on AVX-512 with VNNI or on AVX2: byte lookups of each code's value and integer
+multiply-adds (`vpdpbusd`; `vpmaddubsw`, `vpmaddwd`), exact within a group; each group's integer sum times its two
+scales in float32, the same bits either way."""
 
 from __future__ import annotations
 
