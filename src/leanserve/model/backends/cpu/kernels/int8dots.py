@@ -13,6 +13,7 @@ from leanserve.model.backends.cpu.kernels.base import _inlined, numba
 from leanserve.model.backends.cpu.kernels.rowdots import (
     _AVX2,
     _AVX512_INT8,
+    _byte_permute,
     _masked_load,
     _store_sums,
     _ue8m0_bits,
@@ -134,7 +135,7 @@ def _make_dots(xrows: int, wide: bool):
             table = [int(2 * v) + INT8_OFFSET for v in FP4_VALUES]
             four = ir.Constant(vh, [4] * (2 * lanes_))
             if wide:  # (vpermb reads an index's low 6 bits: a 64-entry table of the 16 values four times over)
-                permute = intrinsic("llvm.x86.avx512.permvar.qi.512", vb, vb, vb)
+                permute = _byte_permute(builder)
                 lut = ir.Constant(vb, table * 4)
                 multiply_add = intrinsic("llvm.x86.avx512.vpdpbusd.512", vi, vi, vb, vb)
 

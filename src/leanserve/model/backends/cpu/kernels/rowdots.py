@@ -1,6 +1,6 @@
 """Row dot products for weights read as stored at a few rows of x (decode, verification), written in LLVM IR: FP8
-rows as vectors of 16 bytes (decoded straight into float32 bits) or 32 (through float16), one to four rows of x a
-call; FP4 rows on AVX-512 by a 16-entry table lookup (`vpermps`), on AVX2 by byte lookups (`vpshufb`) of each
+rows as vectors of 16 bytes (decoded straight into float32 bits), 64 (the same, by byte permutes on AVX512-VBMI)
+or 32 (through float16), one to four rows of x a call; FP4 rows on AVX-512 by a 16-entry table lookup (`vpermps`), on AVX2 by byte lookups (`vpshufb`) of each
 value's bfloat16 bits. Those against bfloat16 inputs are in bf16dots.py, FP4's against 8-bit ones in int8dots.py."""
 
 from __future__ import annotations
@@ -68,6 +68,21 @@ def _e4m3_raw_vector(builder, ptr):
     return builder.bitcast(bits, ir.VectorType(ir.FloatType(), 16))
 
 
+def _e4m3_raw_vectors(builder, ptr):
+    """_e4m3_raw_vector's vector as a list of one (the decodes' common form)."""
+    return [_e4m3_raw_vector(builder, ptr)]
+
+
+def _byte_permute(builder):
+    """AVX512-VBMI's byte permute (vpermb) as a function of (table, indices), <64 x i8> each: table[index & 63]."""
+    from numba.core import cgutils
+
+    v64b = ir.VectorType(ir.IntType(8), 64)
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(v64b, [v64b, v64b]), "llvm.x86.avx512.permvar.qi.512"
+    )
+
+
 def _e4m3_permuted(builder, ptr):
     """The 64 e4m3 bytes at ptr as four <16 x float> of their values times 2^-120, the same as _e4m3_raw_vector's
     at ptr, ptr + 16, ... on AVX512-VBMI: for each 32 of them one byte permute (vpermb) puts bytes j and 16 + j in
@@ -76,14 +91,10 @@ def _e4m3_permuted(builder, ptr):
     or the high one masked is its float32. Per 32 bytes: 5 operations against _e4m3_raw_vector's 6, whose sign
     extensions cost more on Zen 4 (one core in cache at one row of x, a C model of both loops: 27.7 against 23.0
     GB/s)."""
-    from numba.core import cgutils
-
     i32, i16, i8 = ir.IntType(32), ir.IntType(16), ir.IntType(8)
     v16i, v32h, v64b = (ir.VectorType(t, c) for t, c in ((i32, 16), (i16, 32), (i8, 64)))
     loaded = builder.load(builder.bitcast(ptr, v64b.as_pointer()), align=1)
-    permute = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(v64b, [v64b, v64b]), "llvm.x86.avx512.permvar.qi.512"
-    )
+    permute = _byte_permute(builder)
     out = []
     for half in (0, 32):
         order = [b for j in range(16) for b in (0, half + j, 0, half + 16 + j)]
@@ -135,7 +146,9 @@ def _make_fp8_dots(rows: int, xrows: int, half: bool, permuted: bool):
                 for p in pairs
                 for c in range(2)
             }
-            per = 4 if permuted else 2 if half else 1  # (vectors of 16 values decoded a load)
+            decode, per = (  # (and how many vectors of 16 values it decodes a load)
+                (_e4m3_half, 2) if half else (_e4m3_permuted, 4) if permuted else (_e4m3_raw_vectors, 1)
+            )
 
             with cgutils.for_range(builder, full_) as loop:
                 base = builder.mul(loop.index, ir.Constant(intp, FP8_BLOCK))
@@ -154,11 +167,7 @@ def _make_fp8_dots(rows: int, xrows: int, half: bool, permuted: bool):
                         qp = cgutils.get_item_pointer(context, builder, q_t, qa, [row[r], k], wraparound=False)
                         if v0 % 4 == 0:  # (once per 64-byte line)
                             _prefetch(builder, qp)
-                        if half or permuted:
-                            wvs = (_e4m3_half if half else _e4m3_permuted)(builder, qp)
-                        else:
-                            wvs = [_e4m3_raw_vector(builder, qp)]
-                        for v, wv in zip(range(v0, v0 + per), wvs, strict=True):
+                        for v, wv in zip(range(v0, v0 + per), decode(builder, qp), strict=True):
                             for t in range(xrows):
                                 prod = builder.fmul(wv, xvs[(v, t)], flags=fast)
                                 accs[(r, t)][v % 2] = builder.fadd(accs[(r, t)][v % 2], prod, flags=fast)
