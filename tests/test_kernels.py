@@ -363,6 +363,7 @@ def test_fp4_int8_dots_give_the_same_bits_on_avx512_and_avx2(xrows):
 
         return _jit(run)
 
+    runs = [rows(wide) for wide in (True, False)]  # (compiled once, for every width below)
     gen = torch.Generator().manual_seed(xrows)
     packed = torch.randint(0, 256, (37, 2048 + 112), dtype=torch.uint8, generator=gen).numpy()
     scale = torch.randint(100, 141, (37, (4096 + 224) // 32), dtype=torch.uint8, generator=gen).numpy()
@@ -370,11 +371,9 @@ def test_fp4_int8_dots_give_the_same_bits_on_avx512_and_avx2(xrows):
     for k_dim in (224, 256, 4096 + 224):
         x = torch.randn(xrows, k_dim, generator=gen).numpy()
         outs = []
-        for wide in (True, False):
+        for run in runs:
             out = np.empty((xrows, 37), dtype=np.float32)
-            rows(wide)(
-                np.ascontiguousarray(packed[:, : k_dim // 2]), np.ascontiguousarray(scale[:, : k_dim // 32]), x, out
-            )
+            run(np.ascontiguousarray(packed[:, : k_dim // 2]), np.ascontiguousarray(scale[:, : k_dim // 32]), x, out)
             outs.append(out)
         assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), k_dim
 
