@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from leanserve.bench.formats import bench_config, head_share, matched_vocab, step_cost, token_bytes
+from leanserve.bench.host import share_of_reads_then
 from leanserve.make_random import preset_config
 
 
@@ -35,6 +36,16 @@ def test_a_steps_bytes_count_the_experts_its_tokens_reach_and_its_arithmetic_eve
         assert many.mb * 1e6 == pytest.approx(b.dense + b.head + 1000 * b.embed_row + b.experts * 8 / 2)
         assert many.gflop == pytest.approx(1000 * one.gflop)  # the same arithmetic per token in either format
     assert step_cost(cfg, True, 1).gflop == step_cost(cfg, False, 1).gflop
+
+
+def test_each_step_is_set_beside_the_reads_just_before_and_after_it():
+    # 500 MB in 20 ms is 25 GB/s: half of a 50 GB/s read, whatever the reads of other moments were
+    steps = [(0.020, 40.0, 60.0), (0.010, 60.0, 40.0), (0.025, 20.0, 20.0)]  # 0.5, 1.0 and 1.0 of their reads
+    assert share_of_reads_then(500.0, steps) == pytest.approx(1.0)
+    assert share_of_reads_then(500.0, steps[:1]) == pytest.approx(0.5)
+    assert share_of_reads_then(500.0, [(0.020, 25.0, 75.0)]) == pytest.approx(0.5)  # (the mean of the two reads)
+    with pytest.raises(ValueError, match="no steps"):
+        share_of_reads_then(500.0, [])
 
 
 def test_matched_vocab_gives_the_head_its_share():

@@ -28,6 +28,8 @@ from leanserve.bench import peer
 from leanserve.bench.common import GreedyDecoder, print_rows, stage_runner
 from leanserve.bench.host import (
     BANDWIDTH_REPEATS,
+    PAIRED_READ_GIB,
+    ReadProbe,
     cores,
     decode_note,
     decode_rates,
@@ -36,6 +38,7 @@ from leanserve.bench.host import (
     kernel_peak_gflops,
     memory_bandwidth,
     numba,
+    share_of_reads_then,
     token_format_bytes,
 )
 from leanserve.bench.options import FLOAT32_INPUTS, add_inputs, add_output, add_threads, inputs_of, int_list
@@ -58,6 +61,7 @@ class FormatRow:
     mb_per_step: float  # the weight bytes a step reads (StepCost)
     gb_s: float  # mb_per_step / the step's time
     of_bandwidth: float  # gb_s / the measured memory bandwidth
+    of_reads_then: float | None  # the median over the steps of gb_s / the mean of the reads just before and after
     of_floor: float | None  # batch 1: the host's floor for the step's reads (host.floor_seconds) / the step's time
     gflop_s: float  # the model's float32 arithmetic (StepCost) / the step's time
     of_compute: float  # gflop_s / the kernels' measured float32 peak
@@ -73,6 +77,7 @@ FORMAT_HEADERS = {
     "mb_per_step": "MB/step",
     "gb_s": "GB/s",
     "of_bandwidth": "of bandwidth",
+    "of_reads_then": "of read then",
     "of_floor": "of floor",
     "gflop_s": "GFLOP/s",
     "of_compute": "of compute",
@@ -223,7 +228,8 @@ def formats_bench(
     inputs: dict[str, str] | None = None,
 ) -> tuple[list[FormatRow], list[str]]:
     """(rows, notes): decode tok/s of the published and bf16 checkpoints of bench_config's model at each batch
-    size, with the batch-1 bytes per token, GB/s and share of the measured memory bandwidth. `profile`, a list:
+    size, with the batch-1 bytes per token, GB/s and share of the measured memory bandwidth: of the best read of
+    the run, and of the reads just before and after each step (host.ReadProbe, between every two timed steps). `profile`, a list:
     the batch-1 step of the profiled row (profiled_row) kernel by kernel is appended to it (bench/profile.py),
     after the timings.
     `inputs` (EngineConfig's fp4_inputs / fp8_inputs) with a rounding: the published checkpoint also with those
@@ -248,6 +254,8 @@ def formats_bench(
     reads = BANDWIDTH_REPEATS
     peaks = [kernel_peak_gflops()]
     medians: dict[tuple[str, int], float] = {}
+    probe = ReadProbe() if numba is not None else None  # (a read just before and after every timed step)
+    then: dict[tuple[str, int], list[tuple[float, float, float]]] = {}  # (row, batch) -> (step, read before, after)
     runners, profiled_steps = {}, None  # (the profiled row's kernel totals, steps and mean step: _profile)
     for group in [formats] if together else [(f,) for f in formats]:  # all loaded, or one after the other
         runners = {f: stage_runner(dirs[f], max(batch_sizes), max_len, **_inputs_of_row(f, inputs)) for f in group}
@@ -256,9 +264,14 @@ def formats_bench(
             for d in decoders.values():  # warm-up (compiles)
                 d(), d()
             times: dict[str, list[float]] = {f: [] for f in group}
+            before = probe() if probe else None
             for r in range(rounds):
                 for f in group if r % 2 == 0 else group[::-1]:
                     times[f].append(decoders[f]())
+                    if probe:
+                        after = probe()
+                        then.setdefault((f, batch), []).append((times[f][-1], before, after))
+                        before = after
                 if r % PROBE_EVERY == PROBE_EVERY - 1 and r < rounds - 1:  # (between rounds, untimed)
                     bws.append(memory_bandwidth(repeats=PROBE_REPEATS))
                     reads += PROBE_REPEATS
@@ -290,13 +303,17 @@ def formats_bench(
             cost = step_cost(cfg, f != "bf16", batch)
             gbs, gflops = cost.mb / step / 1e3, cost.gflop / step
             share, busy = gbs / bw["machine"], gflops / peak
+            paired = then.get((f, batch))
+            share_then = round(share_of_reads_then(cost.mb, paired), 3) if paired else None
+            of_floor = round(floors[f] / step, 2) if batch == 1 and f in floors else None
             rows.append(
                 FormatRow(f, batch, round(step * 1e3, 2), round(batch / step, 2), round(cost.mb, 1), round(gbs, 2),
-                          round(share, 3), round(floors[f] / step, 2) if batch == 1 and f in floors else None,
-                          round(gflops, 1), round(busy, 3), "bytes" if share >= busy else "arithmetic",
+                          round(share, 3), share_then, of_floor, round(gflops, 1), round(busy, 3),
+                          "bytes" if share >= busy else "arithmetic",
                           round(medians[("bf16", batch)] / step, 2))
             )  # fmt: skip
     b, fb = per_token["published"], token_bytes(flash, published=True)
+    paired_reads = [r for v in then.values() for _, before, after in v for r in (before, after)]
     notes = [
         f"model: DeepSeek-V4-Flash's per-layer shapes, {layers} layers ({', '.join(cfg.layer_types)}), "
         f"{experts} routed experts (top-{cfg.num_experts_per_tok}) + 1 shared, "
@@ -312,7 +329,13 @@ def formats_bench(
         ),
         f"memory bandwidth (best of {reads} reads of 1 GiB, before, among and after the timings): "
         + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items() if k != "machine")
-        + f"; shares are of {bw['machine']:.1f} GB/s",
+        + f"; shares are of {bw['machine']:.1f} GB/s"
+        + (
+            f"; 'of read then': each step against a two-thread read of {PAIRED_READ_GIB:g} GiB just before and after "
+            f"it (the median over the steps; those reads {min(paired_reads):.1f}-{max(paired_reads):.1f} GB/s)"
+            if paired_reads
+            else ""
+        ),
         f"arithmetic: two float32 operations per weight each token multiplies (FP8 / FP4 decoded first); the "
         f"kernels' float32 peak, best of {5 * len(peaks)} runs of 64 rows through a 4096 x 4096 linear: "
         f"{peak:.1f} GFLOP/s; bytes at batch > 1: the distinct routed experts expected under uniform routing",

@@ -74,6 +74,30 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = BANDWIDTH_REPEATS) -> dict
     return out
 
 
+PAIRED_READ_GIB = 0.5  # the read set beside each step (ReadProbe): about what a published Flash-shaped step reads
+
+
+class ReadProbe:
+    """A two-thread vectorised read of one array of `gib` GiB (allocated once), in GB/s per call: the read timed
+    just before and after each decode step, so that the step is set beside the memory speed of that moment (the
+    host's read moves within minutes, and the best read of a run need not be there when the step runs)."""
+
+    def __init__(self, gib: float = PAIRED_READ_GIB) -> None:
+        self.a = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
+        _read_sum_par(self.a[:1024], 8)  # (compiles)
+
+    def __call__(self) -> float:
+        return self.a.nbytes / seconds(lambda: _read_sum_par(self.a, 64)) / 1e9
+
+
+def share_of_reads_then(mb: float, steps: list[tuple[float, float, float]]) -> float:
+    """The median over `steps` (each: a step's seconds, the GB/s of the read just before it and just after it) of
+    the step's GB/s (`mb` MB a step) against the mean of its two reads."""
+    if not steps:
+        raise ValueError("no steps to set beside their reads.")
+    return float(np.median([mb / t / 1e3 / ((before + after) / 2) for t, before, after in steps]))
+
+
 def kernel_peak_gflops(rows: int = 64, width: int = 4096, repeats: int = 5) -> float:
     """The CPU kernels' float32 arithmetic rate on a shape bound by it: `rows` rows through a width x width float32
     linear (the weight stays in cache between the rows' passes), best of `repeats`, in GFLOP/s."""
