@@ -43,6 +43,7 @@ from leanserve.model.backends.cpu.kernels.linear import (
 from leanserve.model.backends.cpu.kernels.rowdots import (
     _AVX512,
     _AVX512_BF16,
+    _AVX512_VBMI,
     _F16C,
     _HOST_CPU,
     _SUBNORMALS_CHEAP,
@@ -290,12 +291,18 @@ if numba is not None:
     _WIDE = [4, 3, 3, 3 if _HOST_CPU == "znver4" else 2] if _AVX512 else [1, 1, 1, 1]  # (at 2, 3, 4, 5-16 rows)
     _HALF = _F16C and not _SUBNORMALS_CHEAP
     _REBASE = HALF_REBASE if _HALF else RAW_REBASE
-    # one row of x, a weight row at a time (_FP8_1), decoded as at more rows; but on Zen 4 cores through float16
-    # where x does not fit half of L1 (_FP8_1_LONG_X: the [4096 x 8192] output projection), where the raw decode
-    # read at 0.69-0.70x the float16 rate from memory (four weight rows at a time 0.94x); on Zen 3 at 1.15x
+    # one row of x, a weight row at a time (_FP8_1), decoded as at more rows; but on Zen 4 cores, where x does not
+    # fit half of L1 (_FP8_1_LONG_X: the [4096 x 8192] output projection), two weight rows at a time decoded by byte
+    # permutes, which reads x from L2 once for both rows: from memory on two threads 31.1 GB/s against 28.1 through
+    # float16 a row at a time and 20.4 by byte permutes a row at a time (sums 35.2; 2026-12-07); the raw decode had
+    # read at 0.69-0.70x the float16 rate (four weight rows at a time 0.94x); on Zen 3 at 1.15x
     _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, _HALF), 1, fp8_row_dots(1, 1, _HALF), 1, rebase=_REBASE)
     _FP8_1_LONG_X = _FP8_1
-    if _F16C and not _HALF and _HOST_CPU == "znver4":
+    if _AVX512_VBMI and not _HALF and _HOST_CPU == "znver4":
+        _FP8_1_LONG_X = _fp8_scaled_walk(
+            fp8_row_dots(2, 1, False, True), 2, fp8_row_dots(1, 1, False, True), 1, rebase=RAW_REBASE
+        )
+    elif _F16C and not _HALF and _HOST_CPU == "znver4":  # (a Zen 4 whose byte permutes are hidden)
         _FP8_1_LONG_X = _fp8_scaled_walk(fp8_row_dots(1, 1, True), 1, fp8_row_dots(1, 1, True), 1, rebase=HALF_REBASE)
     _FP8_2, _FP8_3, _FP8_4 = [
         _fp8_scaled_walk(fp8_row_dots(w, t, _HALF), w, fp8_row_dots(1, t, _HALF), t, rebase=_REBASE)
@@ -367,7 +374,7 @@ SHORT_FP8_ROW = 2048
 # 4096] 1.09x at one float32 row of x (16 KB), 1.23x at two bfloat16 rows; [4096 x 8192] 1.08x at one bfloat16 row;
 # and where x is larger, 0.67-0.77x (two float32 rows of 4096, two of 8192). One float32 row of 8192 (32 KB) goes
 # one at a time all the same, through the float16 decode: [4096 x 8192] from memory on two threads 27.0-27.2 GB/s
-# against 25.1-25.7 four rows at a time (two runs, Intel, 2026-12-06).
+# against 25.1-25.7 four rows at a time (two runs, Intel, 2026-12-06); on Zen 4 two at a time (_FP8_1_LONG_X).
 X_IN_L1 = 16384  # bytes
 # FP8 weights meet up to this many rows of x rounded to bfloat16 in the bfloat16 row dots (the MTP layer's h_proj
 # takes its four mHC streams per token: eight rows after an accepted draft). More take the float32 row dots with x
@@ -439,8 +446,8 @@ def _fp8_rows_x(x, xb, q, s, r0, out, n, bf16):  # pragma: no cover - compiled
             if n == 1:
                 if fits:
                     _FP8_1(q, s, r0, x, full, out, False, n)
-                else:  # (_FP8_1 itself but on Zen 4 cores)
-                    _FP8_1_LONG_X(q, s, r0, x, full, out, False, n)
+                else:  # (_FP8_1 itself but on Zen 4 cores, two weight rows at a time there)
+                    _FP8_1_LONG_X(q, s, r0, x, full, out, True, n)
             elif n == 2:
                 _FP8_2(q, s, r0, x, full, out, not one, n)
             elif n == 3:
