@@ -11,7 +11,7 @@ import struct
 import numpy as np
 
 from leanserve.model.backends.cpu.kernels.base import numba
-from leanserve.model.backends.cpu.kernels.simd import _lanes_sum, _prefetch, _splat
+from leanserve.model.backends.cpu.kernels.simd import PREFETCH_AHEAD, _lanes_sum, _prefetch, _splat
 from leanserve.model.quant import FP4_VALUES, FP8_BLOCK
 
 if numba is not None:
@@ -146,6 +146,13 @@ def _make_fp8_dots(rows: int, xrows: int, half: bool, permuted: bool):
                 for p in pairs
                 for c in range(2)
             }
+            # Several weight rows at a time whose rows span more than PREFETCH_AHEAD bytes (three or four of 8192)
+            # ask for the same offset in the next group of rows instead: PREFETCH_AHEAD lands in a row being read
+            ahead = PREFETCH_AHEAD
+            if rows > 1:
+                group = builder.mul(builder.extract_value(qa.strides, 0), ir.Constant(intp, rows))
+                least = ir.Constant(intp, PREFETCH_AHEAD)
+                ahead = builder.select(builder.icmp_signed(">", group, least), group, least)
             decode, per = (  # (and how many vectors of 16 values it decodes a load)
                 (_e4m3_half, 2) if half else (_e4m3_permuted, 4) if permuted else (_e4m3_raw_vectors, 1)
             )
@@ -166,7 +173,7 @@ def _make_fp8_dots(rows: int, xrows: int, half: bool, permuted: bool):
                     for r in range(rows):
                         qp = cgutils.get_item_pointer(context, builder, q_t, qa, [row[r], k], wraparound=False)
                         if v0 % 4 == 0:  # (once per 64-byte line)
-                            _prefetch(builder, qp)
+                            _prefetch(builder, qp, ahead)
                         for v, wv in zip(range(v0, v0 + per), decode(builder, qp), strict=True):
                             for t in range(xrows):
                                 prod = builder.fmul(wv, xvs[(v, t)], flags=fast)

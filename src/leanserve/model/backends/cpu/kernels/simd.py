@@ -45,14 +45,16 @@ PREFETCH_LOCALITY = 2
 
 
 def _prefetch(builder, ptr, ahead=PREFETCH_AHEAD):
-    """Ask for the cache line `ahead` bytes after ptr (a hint: no fault past an array's end)."""
+    """Ask for the cache line `ahead` bytes (a number, or an i64 value) after ptr (a hint: no fault past an array's
+    end)."""
     from numba.core import cgutils
 
     i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
     )
-    at = builder.gep(builder.bitcast(ptr, i8p), [ir.Constant(ir.IntType(64), ahead)])
+    offset = ahead if isinstance(ahead, ir.Value) else ir.Constant(ir.IntType(64), ahead)
+    at = builder.gep(builder.bitcast(ptr, i8p), [offset])
     builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, PREFETCH_LOCALITY), ir.Constant(i32, 1)])
 
 
