@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from leanserve.model.backends.cpu.kernels.base import _EXACT, Threaded, _empty64_f32, _inlined, _jit, _share_jit, numba
+from leanserve.model.backends.cpu.kernels.rowdots import _HOST_CPU
 from leanserve.model.backends.cpu.kernels.simd import tile_dot, weighted_rows
 
 # --- Linear for a few rows --------------------------------------------------------------------------------
@@ -60,17 +61,24 @@ def _linear_tiles(x, w, out, n):  # pragma: no cover - compiled
 _linear_tiles_jit = _jit(_linear_tiles, fastmath=_EXACT)  # (no reassociation: the tiles keep their order)
 
 
+# The most rows of x that meet float32 and bfloat16 weights a weight row at a time (_few_rows). On a Zen 4 EPYC,
+# bfloat16 [5888 x 4096] from memory on two threads at two rows of x: the tiles 29.9 GB/s against 25.5 streamed
+# (a read of 35.0, the same bits, 2026-12-07).
+STREAM_ROWS = 1 if _HOST_CPU == "znver4" else 2
+
+
 def _few_rows(x, w, out, n):  # pragma: no cover - compiled
     # out[:n] = x[:n] @ w^T for one to four rows of x against a weight read from memory, each weight entry read once
     # (decode at batch 1-4, verification). One or two rows meet it a weight row at a time (each row followed by the
     # next: one sequential stream, which the prefetchers follow best, where the tiles' four or eight rows at once
     # are as many streams), with a prefetch simd.STREAM_AHEAD bytes on; the tiles' arithmetic. bfloat16 [5888 x
     # 4096] from memory on two threads: 0.79x the tiles' time at one and two rows of x, 1.2x and 1.5x at three and
-    # four (a load of x per multiply-add binds), which keep the tiles (docs/kernels.md).
+    # four (a load of x per multiply-add binds), which keep the tiles (docs/kernels.md). On Zen 4 cores two rows keep
+    # them too (STREAM_ROWS): there the two rows of x (32 KB at 4096 inputs) leave L1 while a weight row streams.
     if n == 1:
         for j in range(w.shape[0]):
             _T1S(x, w, out, 0, j)
-    elif n == 2:
+    elif n == 2 and STREAM_ROWS == 2:
         for j in range(w.shape[0]):
             _T2S(x, w, out, 0, j)
     else:
