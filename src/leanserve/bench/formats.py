@@ -229,9 +229,9 @@ def formats_bench(
 ) -> tuple[list[FormatRow], list[str]]:
     """(rows, notes): decode tok/s of the published and bf16 checkpoints of bench_config's model at each batch
     size, with the batch-1 bytes per token, GB/s and share of the measured memory bandwidth: of the best read of
-    the run, and of the reads just before and after each step (host.ReadProbe, between every two timed steps). `profile`, a list:
-    the batch-1 step of the profiled row (profiled_row) kernel by kernel is appended to it (bench/profile.py),
-    after the timings.
+    the run, and of the reads just before and after each step (host.ReadProbe, between every two timed steps).
+    `profile`, a list: the batch-1 step of the profiled row (profiled_row) kernel by kernel is appended to it
+    (bench/profile.py), after the timings.
     `inputs` (EngineConfig's fp4_inputs / fp8_inputs) with a rounding: the published checkpoint also with those
     weights meeting their inputs so rounded (a third row, inputs_row, timed with the other two, and the one
     profiled)."""

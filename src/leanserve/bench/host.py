@@ -58,6 +58,11 @@ def cores() -> int:
     return threads() if numba is not None else 1
 
 
+def _read_all_threads(a):
+    """a's vectorised sum spread over all of numba's threads (memory_bandwidth's, ReadProbe's read)."""
+    return _read_sum_par(a, 64)
+
+
 def memory_bandwidth(gib: float = 1.0, repeats: int = BANDWIDTH_REPEATS) -> dict[str, float]:
     """Read bandwidth in GB/s over a `gib` GiB float32 array, best of `repeats`: numpy's sum (one thread; it is
     bound by its pairwise summation, not by memory), a vectorised sum on one thread and one spread over all of
@@ -68,7 +73,7 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = BANDWIDTH_REPEATS) -> dict
         threads = numba.get_num_threads()
         _read_sum_one(a[:1024], 1), _read_sum_par(a[:1024], 8)
         runs["vectorised sum, 1 thread"] = lambda: _read_sum_one(a, 1)
-        runs[f"vectorised sum, {threads} threads"] = lambda: _read_sum_par(a, 64)
+        runs[f"vectorised sum, {threads} threads"] = lambda: _read_all_threads(a)
     out = {name: a.nbytes / min(seconds(fn) for _ in range(repeats)) / 1e9 for name, fn in runs.items()}
     out["machine"] = max(out.values())
     return out
@@ -87,7 +92,7 @@ class ReadProbe:
         _read_sum_par(self.a[:1024], 8)  # (compiles)
 
     def __call__(self) -> float:
-        return self.a.nbytes / seconds(lambda: _read_sum_par(self.a, 64)) / 1e9
+        return self.a.nbytes / seconds(lambda: _read_all_threads(self.a)) / 1e9
 
 
 def share_of_reads_then(mb: float, steps: list[tuple[float, float, float]]) -> float:

@@ -61,13 +61,12 @@ def _linear_tiles(x, w, out, n):  # pragma: no cover - compiled
 _linear_tiles_jit = _jit(_linear_tiles, fastmath=_EXACT)  # (no reassociation: the tiles keep their order)
 
 
-# The most rows of x that meet float32 and bfloat16 weights a weight row at a time (_few_rows), but for rows of x of
-# at most STREAM_TWO_INPUTS inputs, which two rows at a time stream everywhere (two rows of 2048 float32: half of
-# L1). On a Zen 4 EPYC, bfloat16 [5888 x 4096] from memory on two threads at two rows of x: the tiles 29.9 GB/s
-# against 25.5 streamed (a read of 35.0, the same bits); the shipped model's decode at batch 2 (192 inputs, its
-# weights in cache) 1.41x the time through the tiles in float32, 1.13x in bfloat16 (2026-12-07).
-STREAM_ROWS = 1 if _HOST_CPU == "znver4" else 2
-STREAM_TWO_INPUTS = 2048
+# The longest rows of x that meet float32 and bfloat16 weights two at a time a weight row at a time (_few_rows):
+# any length, but on Zen 4 cores 2048 (two rows of 2048 float32: half of L1), longer ones taking the tiles. On a
+# Zen 4 EPYC, bfloat16 [5888 x 4096] from memory on two threads at two rows of x: the tiles 29.9 GB/s against 25.5
+# streamed (a read of 35.0, the same bits); the shipped model's decode at batch 2 (192 inputs, its weights in
+# cache) 1.41x the time with every length through the tiles in float32, 1.13x in bfloat16 (2026-12-07).
+STREAM_TWO_INPUTS = 2048 if _HOST_CPU == "znver4" else 1 << 62
 
 
 def _few_rows(x, w, out, n):  # pragma: no cover - compiled
@@ -77,11 +76,11 @@ def _few_rows(x, w, out, n):  # pragma: no cover - compiled
     # are as many streams), with a prefetch simd.STREAM_AHEAD bytes on; the tiles' arithmetic. bfloat16 [5888 x
     # 4096] from memory on two threads: 0.79x the tiles' time at one and two rows of x, 1.2x and 1.5x at three and
     # four (a load of x per multiply-add binds), which keep the tiles (docs/kernels.md). On Zen 4 cores two long rows
-    # keep them too (STREAM_ROWS): there two rows of x of 4096 (32 KB) leave L1 while a weight row streams.
+    # keep them too (STREAM_TWO_INPUTS): there two rows of x of 4096 (32 KB) leave L1 while a weight row streams.
     if n == 1:
         for j in range(w.shape[0]):
             _T1S(x, w, out, 0, j)
-    elif n == 2 and (STREAM_ROWS == 2 or x.shape[1] <= STREAM_TWO_INPUTS):
+    elif n == 2 and x.shape[1] <= STREAM_TWO_INPUTS:
         for j in range(w.shape[0]):
             _T2S(x, w, out, 0, j)
     else:

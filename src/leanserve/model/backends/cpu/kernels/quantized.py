@@ -298,12 +298,14 @@ if numba is not None:
     # read at 0.69-0.70x the float16 rate (four weight rows at a time 0.94x); on Zen 3 at 1.15x
     _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, _HALF), 1, fp8_row_dots(1, 1, _HALF), 1, rebase=_REBASE)
     _FP8_1_LONG_X = _FP8_1
-    if _AVX512_VBMI and not _HALF and _HOST_CPU == "znver4":
-        _FP8_1_LONG_X = _fp8_scaled_walk(
-            fp8_row_dots(2, 1, False, True), 2, fp8_row_dots(1, 1, False, True), 1, rebase=RAW_REBASE
-        )
-    elif _F16C and not _HALF and _HOST_CPU == "znver4":  # (a Zen 4 whose byte permutes are hidden)
-        _FP8_1_LONG_X = _fp8_scaled_walk(fp8_row_dots(1, 1, True), 1, fp8_row_dots(1, 1, True), 1, rebase=HALF_REBASE)
+    if _HOST_CPU == "znver4" and not _HALF:
+        if _AVX512_VBMI:
+            _FP8_1_LONG_X = _fp8_scaled_walk(
+                fp8_row_dots(2, 1, False, True), 2, fp8_row_dots(1, 1, False, True), 1, rebase=RAW_REBASE
+            )
+        elif _F16C:  # (a Zen 4 whose byte permutes are hidden from it)
+            walk = fp8_row_dots(1, 1, True)
+            _FP8_1_LONG_X = _fp8_scaled_walk(walk, 1, walk, 1, rebase=HALF_REBASE)
     _FP8_2, _FP8_3, _FP8_4 = [
         _fp8_scaled_walk(fp8_row_dots(w, t, _HALF), w, fp8_row_dots(1, t, _HALF), t, rebase=_REBASE)
         for t, w in zip((2, 3, 4), _WIDE[:3], strict=True)
