@@ -283,14 +283,20 @@ if numba is not None:
     # straight into float32 bits (on Zen 4 in cache 0.76-0.93x the time of the float16 decode at one to sixteen rows
     # of x), as on x86 cores without F16C (from before 2012). With AVX-512's 32 vector registers, four weight rows
     # at a time for two rows of x, three for three or four (against two: the published step 0.98x at batch 3 and 4),
-    # two for more, in passes of four (three: 1.05x at batch 8, through float16), but three on Zen 4 cores, whose
-    # raw decode makes one vector a load instead of two (one core in L2 at eight and sixteen rows of x: 106 against
-    # 94-95 GFLOP/s; the Flash-shaped published step at batch 8 0.96x, its verification 0.975x); with AVX2's 16 the
-    # several rows' sums spill, so there one weight row at a time (one core of a Zen 3 EPYC, [4096 x 4096] from
-    # memory, against the AVX-512 widths: 1.03-1.15x as fast at two rows of x, 1.35x at four, 1.4-1.8x at eight)
-    _WIDE = [4, 3, 3, 3 if _HOST_CPU == "znver4" else 2] if _AVX512 else [1, 1, 1, 1]  # (at 2, 3, 4, 5-16 rows)
+    # two for more, in passes of four (three: 1.05x at batch 8, through float16), but three on Zen 4 (and Zen 5,
+    # below) cores, whose raw decode makes one vector a load instead of two (one core in L2 at eight and sixteen
+    # rows of x: 106 against 94-95 GFLOP/s; the Flash-shaped published step at batch 8 0.96x, its verification
+    # 0.975x); with AVX2's 16 the several rows' sums spill, so there one weight row at a time (one core of a Zen 3
+    # EPYC, [4096 x 4096] from memory, against the AVX-512 widths: 1.03-1.15x as fast at two rows of x, 1.35x at
+    # four, 1.4-1.8x at eight)
+    _WIDE = [4, 3, 3, 3 if _HOST_CPU in ("znver4", "znver5") else 2] if _AVX512 else [1, 1, 1, 1]  # (2, 3, 4, 5-16)
     _HALF = _F16C and not _SUBNORMALS_CHEAP
     _REBASE = HALF_REBASE if _HALF else RAW_REBASE
+    # Zen 5 cores, too, multiply subnormals at no cost, but there the raw decode pays only from five rows of x, three
+    # weight rows at a time: through the linears from memory on two threads 0.75-0.87x the time of the float16 decode
+    # two rows at a time at eight and sixteen rows (raw two at a time 0.95-1.04x; at one row 0.98-1.10x, at three
+    # 0.94-1.23x: noise or worse, so one to four keep float16; 2026-12-08)
+    _MANY_HALF = _HALF and _HOST_CPU != "znver5"
     # one row of x, a weight row at a time (_FP8_1), decoded as at more rows; but on Zen 4 cores, where x does not
     # fit half of L1 (_FP8_1_LONG_X: the [4096 x 8192] output projection), two weight rows at a time decoded by byte
     # permutes, which reads x from L2 once for both rows: from memory on two threads 31.1 GB/s against 28.1 through
@@ -311,7 +317,12 @@ if numba is not None:
         for t, w in zip((2, 3, 4), _WIDE[:3], strict=True)
     ]
     _FP8_MANY = _fp8_scaled_walk(  # (5 to FEW_FP8_ROWS rows)
-        fp8_row_dots(_WIDE[3], 4, _HALF), _WIDE[3], fp8_row_dots(1, 4, _HALF), 4, many=True, rebase=_REBASE
+        fp8_row_dots(_WIDE[3], 4, _MANY_HALF),
+        _WIDE[3],
+        fp8_row_dots(1, 4, _MANY_HALF),
+        4,
+        many=True,
+        rebase=HALF_REBASE if _MANY_HALF else RAW_REBASE,
     )
 else:
     _FP8_1 = _FP8_1_LONG_X = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_MANY = None

@@ -222,7 +222,7 @@ if numba is not None:
     _F16C = bool(_features.get("f16c", False))  # (vcvtph2ps, which fp8_row_dots' `half` decode needs)
     # AMD's Zen 3 and Zen 4 cores multiply the few float32 subnormals of FP8 weights without a measurable cost
     # (Intel's take a microcode assist for each) and widen float16 slowly: there the FP8 row dots decode straight
-    # into float32 bits (docs/kernels.md; other Zen generations are not measured)
+    # into float32 bits (docs/kernels.md; Zen 5 cores only from five rows of x: quantized._MANY_HALF)
     _SUBNORMALS_CHEAP = _HOST_CPU in ("znver3", "znver4")
 
 FP4_CHUNK = 128  # values per chunk of the FP4 row dots: 64 bytes, 4 groups
