@@ -393,8 +393,10 @@ X_IN_L1 = 16384  # bytes
 # takes its four mHC streams per token: eight rows after an accepted draft). More take the float32 row dots with x
 # rounded (the same products, summed in another order), then the dequantized blocks and tiles. On Zen 4 cores the
 # float32 row dots are the faster from four rows of x (one core in L2, [256 x 4096]: 0.92x the time at four rows,
-# 0.71-0.75x at five to eight; the same at two and three, 0.86x the other way at one).
-FEW_BF16_ROWS = 3 if _HOST_CPU == "znver4" else 8
+# 0.71-0.75x at five to eight; the same at two and three, 0.86x the other way at one); on Zen 5 from five rows
+# (one core from memory, [4096 x 4096]: 0.70-0.84x the time at five to eight, the same at four; the bfloat16 dots
+# are the faster in cache there, 1.14-1.57x at five to eight, but x's eight bfloat16 rows, 64 KB, leave L1).
+FEW_BF16_ROWS = {"znver4": 3, "znver5": 4}.get(_HOST_CPU, 8)
 # FP8 weights meet up to this many rows of float32 x (or x rounded to bfloat16 beyond FEW_BF16_ROWS) in the row dots,
 # four at a time: each row's sums the same bits at any count (batch invariance). More take the dequantized blocks
 # and tiles.
