@@ -507,13 +507,13 @@ def test_fp4_inputs_round_to_8_bits_as_torch_does():
 def test_fp8_row_dots_decode_the_same_both_ways(rows):
     # The float32 FP8 row dots decode e4m3 bytes straight into float32 bits (16 bytes at a time, or 32 by a byte
     # permute on AVX512-VBMI), or through float16 (no float32 subnormals; most hosts take it, Zen 4 ones only at
-    # one row of x beyond half of L1): the same products and sums, so the same bits, over every e4m3 byte
+    # one row of x beyond half of L1, Zen 5 ones at one to four rows): the same products and sums, so the same bits, over every e4m3 byte
     # (subnormals and zeros included). Each way alone is checked against the dequantized weight below; this holds
     # the host's choice to the others.
     import numba
 
-    from leanserve.model.backends.cpu.kernels.quantized import HALF_REBASE, RAW_REBASE, _fp8_scaled_walk
-    from leanserve.model.backends.cpu.kernels.rowdots import _AVX512_VBMI, _F16C, fp8_row_dots
+    from leanserve.model.backends.cpu.kernels.quantized import _float32_walk
+    from leanserve.model.backends.cpu.kernels.rowdots import _AVX512_VBMI, _F16C
 
     if not _F16C:
         pytest.skip("the float16 decode needs F16C")
@@ -527,10 +527,7 @@ def test_fp8_row_dots_decode_the_same_both_ways(rows):
     xrows = min(rows, 4)
     outs = []
     for half, permuted in [(False, False), (True, False)] + [(False, True)] * _AVX512_VBMI:
-        walk = _fp8_scaled_walk(
-            fp8_row_dots(2, xrows, half, permuted), 2, fp8_row_dots(1, xrows, half, permuted), xrows, many=rows > 4,
-            rebase=HALF_REBASE if half else RAW_REBASE,
-        )  # fmt: skip
+        walk = _float32_walk(2, xrows, half, permuted, many=rows > 4)
 
         @numba.njit
         def run(q, s, x, out, n, walk=walk):

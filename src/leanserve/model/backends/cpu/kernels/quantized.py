@@ -271,6 +271,15 @@ def _fp8_scaled_walk(wide_dots, width, one_dots, xrows, many=False, rebase=RAW_R
     return _inlined(walk)
 
 
+def _float32_walk(width, xrows, half, permuted=None, many=False):
+    """_fp8_scaled_walk of fp8_row_dots(width, xrows, half, permuted) for float32 x, one weight row at a time where
+    a scale block has fewer than `width` left, x rebased as that decode takes it."""
+    return _fp8_scaled_walk(
+        fp8_row_dots(width, xrows, half, permuted), width, fp8_row_dots(1, xrows, half, permuted), xrows,
+        many=many, rebase=HALF_REBASE if half else RAW_REBASE,
+    )  # fmt: skip
+
+
 def _fp8_walks(row_dots):
     # the walks for 1-4 rows of x: four weight rows at a time for one or two, two for three or four
     return [_fp8_walk(row_dots(4 if t <= 2 else 2, t), 4 if t <= 2 else 2, row_dots(1, t)) for t in (1, 2, 3, 4)]
@@ -290,40 +299,28 @@ if numba is not None:
     # EPYC, [4096 x 4096] from memory, against the AVX-512 widths: 1.03-1.15x as fast at two rows of x, 1.35x at
     # four, 1.4-1.8x at eight)
     _WIDE = [4, 3, 3, 3 if _HOST_CPU in ("znver4", "znver5") else 2] if _AVX512 else [1, 1, 1, 1]  # (2, 3, 4, 5-16)
-    _HALF = _F16C and not _SUBNORMALS_CHEAP
-    _REBASE = HALF_REBASE if _HALF else RAW_REBASE
-    # Zen 5 cores, too, multiply subnormals at no cost, but there the raw decode pays only from five rows of x, three
-    # weight rows at a time: through the linears from memory on two threads 0.75-0.87x the time of the float16 decode
-    # two rows at a time at eight and sixteen rows (raw two at a time 0.95-1.04x; at one row 0.98-1.10x, at three
-    # 0.94-1.23x: noise or worse, so one to four keep float16; 2026-12-08)
-    _MANY_HALF = _HALF and _HOST_CPU != "znver5"
+    # The float16 decode at five to sixteen rows of x (_MANY_HALF) and at one to four (_HALF). On Zen 5 cores the
+    # raw decode pays only from five rows, three weight rows at a time: through the linears from memory on two
+    # threads 0.75-0.87x the time of the float16 decode two rows at a time at eight and sixteen rows (raw two at a
+    # time 0.95-1.04x; at one row 0.98-1.10x, at three 0.94-1.23x: noise or worse, so one to four keep float16;
+    # 2026-12-08)
+    _MANY_HALF = _F16C and not _SUBNORMALS_CHEAP
+    _HALF = _MANY_HALF or (_F16C and _HOST_CPU == "znver5")
+
     # one row of x, a weight row at a time (_FP8_1), decoded as at more rows; but on Zen 4 cores, where x does not
     # fit half of L1 (_FP8_1_LONG_X: the [4096 x 8192] output projection), two weight rows at a time decoded by byte
     # permutes, which reads x from L2 once for both rows: from memory on two threads 31.1 GB/s against 28.1 through
     # float16 a row at a time and 20.4 by byte permutes a row at a time (sums 35.2; 2026-12-07); the raw decode had
     # read at 0.69-0.70x the float16 rate (four weight rows at a time 0.94x); on Zen 3 at 1.15x
-    _FP8_1 = _fp8_scaled_walk(fp8_row_dots(1, 1, _HALF), 1, fp8_row_dots(1, 1, _HALF), 1, rebase=_REBASE)
+    _FP8_1 = _float32_walk(1, 1, _HALF)
     _FP8_1_LONG_X = _FP8_1
     if _HOST_CPU == "znver4" and not _HALF:
         if _AVX512_VBMI:
-            _FP8_1_LONG_X = _fp8_scaled_walk(
-                fp8_row_dots(2, 1, False, True), 2, fp8_row_dots(1, 1, False, True), 1, rebase=RAW_REBASE
-            )
+            _FP8_1_LONG_X = _float32_walk(2, 1, False, permuted=True)
         elif _F16C:  # (a Zen 4 whose byte permutes are hidden from it)
-            walk = fp8_row_dots(1, 1, True)
-            _FP8_1_LONG_X = _fp8_scaled_walk(walk, 1, walk, 1, rebase=HALF_REBASE)
-    _FP8_2, _FP8_3, _FP8_4 = [
-        _fp8_scaled_walk(fp8_row_dots(w, t, _HALF), w, fp8_row_dots(1, t, _HALF), t, rebase=_REBASE)
-        for t, w in zip((2, 3, 4), _WIDE[:3], strict=True)
-    ]
-    _FP8_MANY = _fp8_scaled_walk(  # (5 to FEW_FP8_ROWS rows)
-        fp8_row_dots(_WIDE[3], 4, _MANY_HALF),
-        _WIDE[3],
-        fp8_row_dots(1, 4, _MANY_HALF),
-        4,
-        many=True,
-        rebase=HALF_REBASE if _MANY_HALF else RAW_REBASE,
-    )
+            _FP8_1_LONG_X = _float32_walk(1, 1, True)
+    _FP8_2, _FP8_3, _FP8_4 = [_float32_walk(w, t, _HALF) for t, w in zip((2, 3, 4), _WIDE[:3], strict=True)]
+    _FP8_MANY = _float32_walk(_WIDE[3], 4, _MANY_HALF, many=True)  # (5 to FEW_FP8_ROWS rows)
 else:
     _FP8_1 = _FP8_1_LONG_X = _FP8_2 = _FP8_3 = _FP8_4 = _FP8_MANY = None
 _FP8B_1, _FP8B_2, _FP8B_3, _FP8B_4 = _fp8_walks(fp8_bf16_row_dots) if numba is not None else [None] * 4

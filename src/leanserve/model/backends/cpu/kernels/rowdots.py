@@ -220,10 +220,10 @@ if numba is not None:
     _AVX512_VBMI = _AVX512 and all(_features.get(f, False) for f in ("avx512bw", "avx512vbmi"))
     _AVX512_INT8 = _AVX512_VBMI and bool(_features.get("avx512vnni", False))
     _F16C = bool(_features.get("f16c", False))  # (vcvtph2ps, which fp8_row_dots' `half` decode needs)
-    # AMD's Zen 3 and Zen 4 cores multiply the few float32 subnormals of FP8 weights without a measurable cost
-    # (Intel's take a microcode assist for each) and widen float16 slowly: there the FP8 row dots decode straight
-    # into float32 bits (docs/kernels.md; Zen 5 cores only from five rows of x: quantized._MANY_HALF)
-    _SUBNORMALS_CHEAP = _HOST_CPU in ("znver3", "znver4")
+    # AMD's Zen 3, Zen 4 and Zen 5 cores multiply the few float32 subnormals of FP8 weights without a measurable
+    # cost (Intel's take a microcode assist for each): there the FP8 row dots may decode straight into float32 bits
+    # (docs/kernels.md; quantized._HALF and _MANY_HALF say at how many rows of x)
+    _SUBNORMALS_CHEAP = _HOST_CPU in ("znver3", "znver4", "znver5")
 
 FP4_CHUNK = 128  # values per chunk of the FP4 row dots: 64 bytes, 4 groups
 
